@@ -1,0 +1,115 @@
+"""spmd: backend-agnostic distributed training for PyTorch, where every piece is a plugin.
+
+The public face mirrors ``torch.distributed``, so ``import spmd as dist``
+needs few other edits::
+
+    import spmd, torch
+    spmd.init("gloo")                       # or spmd.init() under `spmd run`
+    t = torch.ones(4) * spmd.get_rank()
+    spmd.all_reduce(t, op=spmd.ReduceOp.SUM)
+"""
+
+from spmd.comm.backend import Backend, BackendContext, BackendSpec
+from spmd.comm.collectives import (
+    all_gather,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    gather,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_tensor,
+    scatter,
+)
+from spmd.comm.group import ProcessGroup
+from spmd.comm.init import (
+    destroy_process_group,
+    get_backend,
+    get_global_rank,
+    get_group_rank,
+    get_process_group_ranks,
+    get_rank,
+    get_world_size,
+    init,
+    init_process_group,
+    new_group,
+    split_group,
+)
+from spmd.comm.objects import (
+    all_gather_object,
+    broadcast_object_list,
+    gather_object,
+    scatter_object_list,
+)
+from spmd.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.state import GroupMember, is_initialized
+from spmd.comm.work import Work
+from spmd.errors import (
+    BackendNotFoundError,
+    BackendUnavailableError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    NotInitializedError,
+    PluginConflictError,
+    SpmdError,
+)
+from spmd.markers import hookimpl, hookspec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendContext",
+    "BackendNotFoundError",
+    "BackendSpec",
+    "BackendUnavailableError",
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "GroupMember",
+    "NotInitializedError",
+    "P2POp",
+    "PluginConflictError",
+    "ProcessGroup",
+    "ReduceOp",
+    "SpmdError",
+    "Work",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "gather",
+    "gather_object",
+    "get_backend",
+    "get_global_rank",
+    "get_group_rank",
+    "get_process_group_ranks",
+    "get_rank",
+    "get_world_size",
+    "hookimpl",
+    "hookspec",
+    "init",
+    "init_process_group",
+    "irecv",
+    "is_initialized",
+    "isend",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "split_group",
+]

@@ -1,0 +1,1 @@
+"""Communication: the backend contract, Work, ReduceOp, groups and the collectives API."""

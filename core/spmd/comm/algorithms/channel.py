@@ -1,0 +1,55 @@
+"""The view of a backend that one running algorithm has: its tag, peers, deadline."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from spmd.comm.buffers import BufferPool
+from spmd.comm.work import Work
+
+if TYPE_CHECKING:
+    from spmd.comm.backend import Backend
+
+
+@dataclass
+class Channel:
+    """Point-to-point between the ranks of one group, for one collective call.
+
+    All messages of the call carry the same tag; per (pair, tag) ordering keeps
+    successive steps apart, and distinct tags keep concurrent calls apart.
+    """
+
+    backend: Backend
+    tag: int
+    deadline: float | None
+    pool: BufferPool
+
+    @property
+    def rank(self) -> int:
+        return self.backend.rank
+
+    @property
+    def size(self) -> int:
+        return self.backend.size
+
+    def send(self, tensor: torch.Tensor, peer: int) -> Work:
+        return self.backend.isend(tensor, peer, self.tag)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> Work:
+        return self.backend.irecv(tensor, peer, self.tag)
+
+    def wait(self, *works: Work) -> None:
+        """Wait for every Work, all within the call's deadline."""
+        for work in works:
+            remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+            work.wait(remaining)
+
+    def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+        """Send to ``dst`` while receiving from ``src``; return when both are done."""
+        receiving = self.recv(recv, src)
+        sending = self.send(send, dst)
+        self.wait(receiving, sending)

@@ -1,0 +1,255 @@
+"""The backend contract: BackendSpec (what a plugin declares), BackendContext, Backend.
+
+A backend must implement ``isend`` and ``irecv``. Every collective it does not
+implement natively comes from the generic algorithms in
+``spmd.comm.algorithms``, run on the backend's own worker thread so that
+``async_op=True`` is truly asynchronous. The kernel hands backends flat-able,
+contiguous tensors with group-local ranks, already validated.
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from spmd.comm import algorithms
+from spmd.comm.algorithms.channel import Channel
+from spmd.comm.buffers import BufferPool
+from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.work import Work
+
+#: Tags at or above this value belong to the kernel's generic collectives.
+COLLECTIVE_TAG_BASE = 1 << 24
+_COLLECTIVE_TAG_SPAN = 1 << 24
+#: All-reduce switches from recursive doubling to the ring above this many bytes.
+RING_THRESHOLD_BYTES = 64 << 10
+
+#: The collectives a backend may implement natively (the rest are generic).
+COLLECTIVE_OPS = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
+    "split",
+)
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """Everything a backend factory needs to build one group's backend on one device type."""
+
+    rank: int
+    size: int
+    store: Any  # a torch.distributed.Store, already prefixed for this group and device
+    timeout: timedelta
+    group_name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    device_type: str = "cpu"
+    global_ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a plugin declares about one backend (returned from ``spmd_backends``).
+
+    ``factory(ctx)`` builds the Backend; keep heavy native imports inside it.
+    ``available()`` returns None when the native dependency is usable, else the
+    reason it is not (``spmd doctor`` prints it; it must not import heavily
+    either where a cheap check exists). Higher ``priority`` wins when
+    ``spmd.init()`` picks a backend by itself. ``overrides=True`` lets this
+    spec replace another plugin's spec of the same name instead of conflicting.
+    """
+
+    name: str
+    devices: tuple[str, ...]
+    factory: Callable[[BackendContext], Backend]
+    priority: int = 0
+    available: Callable[[], str | None] | None = None
+    capabilities: frozenset[str] | None = None
+    description: str = ""
+    overrides: bool = False
+
+    def native_ops(self) -> frozenset[str]:
+        """The collectives this backend implements natively (declared, or read off its class)."""
+        if self.capabilities is not None:
+            return self.capabilities
+        if isinstance(self.factory, type) and issubclass(self.factory, Backend):
+            return self.factory.native_ops()
+        return frozenset()
+
+    def unavailable_reason(self) -> str | None:
+        """None if usable here, else why not."""
+        if self.available is None:
+            return None
+        try:
+            return self.available()
+        except Exception as error:  # noqa: BLE001 - a broken check is itself the reason
+            return f"availability check raised {type(error).__name__}: {error}"
+
+
+class _GenericRunner:
+    """One daemon thread per backend that runs generic algorithms in call order."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, fn = item
+            try:
+                fn()
+            except BaseException as error:  # noqa: BLE001 - delivered to the waiter
+                work._finish(None, error)
+            else:
+                work._finish(None, None)
+
+    def submit(self, fn: Callable[[], None]) -> Work:
+        work = Work()
+        self._queue.put((work, fn))
+        return work
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+
+class Backend(abc.ABC):
+    """A communication backend for one group on one device type.
+
+    Subclasses call ``super().__init__(ctx)`` and implement ``isend``/``irecv``;
+    overriding any collective in ``COLLECTIVE_OPS`` makes it native (and shown
+    as such by ``spmd doctor``). Ranks are group-local. Every method returns a
+    Work at once; generic collectives run on a worker thread.
+    """
+
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+
+    # -- identity -------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def size(self) -> int:
+        return self.ctx.size
+
+    @classmethod
+    def native_ops(cls) -> frozenset[str]:
+        """The collectives this class overrides (the rest are the kernel's generic ones)."""
+        return frozenset(op for op in COLLECTIVE_OPS if getattr(cls, op) is not getattr(Backend, op))
+
+    # -- required point-to-point --------------------------------------------------
+    @abc.abstractmethod
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        """Start sending ``tensor`` to group rank ``dst``; the Work completes when it is sent."""
+
+    @abc.abstractmethod
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        """Start receiving into ``tensor`` from group rank ``src``; completes when it arrived."""
+
+    # -- generic machinery ----------------------------------------------------------
+    def _run_generic(self, algorithm: Callable[..., None], *args: Any) -> Work:
+        state = self.__dict__
+        if "_spmd_runner" not in state:
+            state["_spmd_runner"] = _GenericRunner(f"spmd-generic-{self.ctx.group_name}")
+            state["_spmd_pool"] = BufferPool()
+            state["_spmd_seq"] = 0
+        seq = state["_spmd_seq"]
+        state["_spmd_seq"] = seq + 1
+        timeout = self.ctx.timeout.total_seconds()
+        pool = state["_spmd_pool"]
+        tag = COLLECTIVE_TAG_BASE + seq % _COLLECTIVE_TAG_SPAN
+
+        def run() -> None:
+            channel = Channel(self, tag, time.monotonic() + timeout, pool)
+            algorithm(channel, *args)
+
+        return state["_spmd_runner"].submit(run)
+
+    # -- collectives: generic unless overridden --------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        """Reduce ``tensor`` across the group in place."""
+        small = tensor.numel() * tensor.element_size() <= RING_THRESHOLD_BYTES or tensor.numel() < self.size
+        algorithm = algorithms.all_reduce_recursive_doubling if small else algorithms.all_reduce_ring
+        return self._run_generic(algorithm, tensor.view(-1), op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        """Copy ``src``'s tensor into every rank's."""
+        return self._run_generic(algorithms.broadcast_binomial, tensor.view(-1), src)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+        """Reduce into ``dst``'s tensor; other ranks' tensors are left unchanged."""
+        return self._run_generic(algorithms.reduce_binomial, tensor.view(-1), dst, op)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        """``output`` (size * input.numel() elements) gets rank r's input in block r."""
+        return self._run_generic(algorithms.all_gather_ring, output.view(-1), input.view(-1))
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
+        """Rank r's ``output`` gets the reduction of block r of every rank's input."""
+        return self._run_generic(algorithms.reduce_scatter_ring, output.view(-1), input.view(-1), op)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> Work:
+        """Rows ``input_split_sizes[i]`` of input go to rank i; output rows come from each rank.
+
+        Split sizes are always given (the kernel fills equal splits in).
+        """
+        out_chunks = list(output.split(list(output_split_sizes)))
+        in_chunks = list(input.split(list(input_split_sizes)))
+        return self._run_generic(
+            algorithms.all_to_all_pairwise,
+            [c.reshape(-1) for c in out_chunks],
+            [c.reshape(-1) for c in in_chunks],
+        )
+
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> Work:
+        """On ``dst``, ``output`` (size * input.numel()) gets rank r's input in block r."""
+        flat_out = None if output is None else output.view(-1)
+        return self._run_generic(algorithms.gather_linear, flat_out, input.view(-1), dst)
+
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int) -> Work:
+        """Block r of ``src``'s input (size * output.numel()) lands in rank r's output."""
+        flat_in = None if input is None else input.view(-1)
+        return self._run_generic(algorithms.scatter_linear, output.view(-1), flat_in, src)
+
+    def barrier(self) -> Work:
+        """Complete once every rank of the group has entered the barrier."""
+        return self._run_generic(algorithms.barrier_dissemination)
+
+    def split(self, ranks: Sequence[int], ctx: BackendContext) -> Backend | None:
+        """A backend for the sub-group ``ranks`` (group-local), or None to let the kernel build one.
+
+        Called on the members only. Native implementations reuse connections
+        (an MPI communicator split, an NCCL CommSplit).
+        """
+        return None
+
+    def close(self) -> None:
+        """Release resources; the generic worker thread stops."""
+        runner = self.__dict__.pop("_spmd_runner", None)
+        if runner is not None:
+            runner.stop()

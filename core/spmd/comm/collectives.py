@@ -1,0 +1,485 @@
+"""The module-level collectives, with torch.distributed's signatures.
+
+Each call validates its arguments (errors name the problem and the fix),
+makes the tensors contiguous (through reused staging buffers when they are
+not), dispatches to the group's backend for the tensor's device, and either
+waits (``async_op=False``) or returns the Work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from spmd.comm.backend import Backend
+from spmd.comm.buffers import BufferPool
+from spmd.comm.group import ProcessGroup
+from spmd.comm.reduce_op import ReduceOp, check_reduce_op
+from spmd.comm.state import resolve_group
+from spmd.comm.work import Work
+
+_pool = BufferPool()
+
+
+# -- validation ----------------------------------------------------------------------
+def _check_tensor(tensor: object, what: str, op: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise TypeError(f"{op}: {what} is a sparse tensor; convert it with .to_dense() first")
+    return tensor
+
+
+def _check_same(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{op}: output dtype {a.dtype} differs from input dtype {b.dtype}; use one dtype")
+    if a.device != b.device:
+        raise ValueError(f"{op}: output is on {a.device} but input is on {b.device}; put both on one device")
+
+
+def _root(group: ProcessGroup, rank: int | None, group_rank: int | None, what: str, op: str) -> int:
+    """The group-local rank of a root given as a global rank or a group rank."""
+    if group_rank is not None:
+        if rank is not None and group.global_rank(group_rank) != rank:
+            raise ValueError(f"{op}: {what}={rank} and group_{what}={group_rank} name different ranks")
+        if not 0 <= group_rank < group.size:
+            raise ValueError(f"{op}: group_{what}={group_rank} is out of range for group {group.name!r} of size {group.size}")
+        return group_rank
+    if rank is None:
+        raise ValueError(f"{op}: pass {what}= (a global rank) or group_{what}= (a rank within the group)")
+    if not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"{op}: {what}={rank!r} is not a valid rank; ranks are 0..{group.size - 1}")
+    return group.group_rank(rank)
+
+
+def _describe(group: ProcessGroup, op: str, seq: int) -> str:
+    return f"{op} on group {group.name!r} (seq {seq}, ranks {list(group.ranks)})"
+
+
+# -- completion ----------------------------------------------------------------------
+def _then(work: Work, after: Callable[[], None]) -> Work:
+    """A Work that finishes once ``work`` has and ``after()`` ran (only on success)."""
+    chained = Work()
+    chained.default_timeout = work.default_timeout
+    chained.description = work.description
+
+    def on_done(done: Work) -> None:
+        error = done.exception()
+        if error is None:
+            try:
+                after()
+            except BaseException as failure:  # noqa: BLE001 - delivered to the waiter
+                error = failure
+        chained._finish(None, error)
+
+    work.add_done_callback(on_done)
+    return chained
+
+
+def _complete(
+    work: Work,
+    group: ProcessGroup,
+    op: str,
+    seq: int,
+    async_op: bool,
+    after: Callable[[], None] | None = None,
+) -> Work | None:
+    work.default_timeout = group.timeout.total_seconds()
+    work.description = _describe(group, op, seq)
+    if async_op:
+        return work if after is None else _then(work, after)
+    work.wait()  # the synchronous path waits natively, with no callback hop
+    if after is not None:
+        after()
+    return None
+
+
+class _Contiguous:
+    """A contiguous stand-in for a tensor: the tensor itself, or a pooled copy written back later."""
+
+    def __init__(self, tensor: torch.Tensor, copy_in: bool = True) -> None:
+        self.original = tensor
+        self._buffer: torch.Tensor | None = None
+        if tensor.is_contiguous():
+            self.tensor = tensor
+        else:
+            self._buffer = _pool.acquire(tensor.numel(), tensor.dtype)
+            self.tensor = self._buffer[: tensor.numel()].view(tensor.shape)
+            if copy_in:
+                self.tensor.copy_(tensor)
+
+    def write_back(self) -> None:
+        if self._buffer is not None:
+            self.original.copy_(self.tensor)
+
+    def release(self) -> None:
+        if self._buffer is not None:
+            _pool.release(self._buffer)
+            self._buffer = None
+
+
+def _sequence(*steps: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        for step in steps:
+            step()
+
+    return run
+
+
+def _average(tensor: torch.Tensor, size: int) -> Callable[[], None]:
+    def divide() -> None:
+        tensor.div_(size)
+
+    return divide
+
+
+def _native_op(backend: Backend, op: ReduceOp) -> ReduceOp:
+    """AVG becomes SUM for backends that cannot average (the kernel divides afterwards)."""
+    if op is ReduceOp.AVG and not getattr(backend, "supports_avg", True):
+        return ReduceOp.SUM
+    return op
+
+
+# -- reductions ----------------------------------------------------------------------
+def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+    """Reduce ``tensor`` across every rank of ``group``, in place, so all ranks hold the result."""
+    g = resolve_group(group)
+    _check_tensor(tensor, "tensor", "all_reduce")
+    check_reduce_op(op, tensor.dtype)
+    backend = g.backend_for(tensor)
+    seq = g.next_seq()
+    staged = _Contiguous(tensor)
+    native = _native_op(backend, op)
+    work = backend.all_reduce(staged.tensor, native)
+    steps = []
+    if native is not op:
+        steps.append(_average(staged.tensor, g.size))
+    steps += [staged.write_back, staged.release]
+    return _complete(work, g, "all_reduce", seq, async_op, _sequence(*steps))
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int | None = None,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
+    """Reduce ``tensor`` of every rank into ``dst``'s; other ranks' tensors are unchanged."""
+    g = resolve_group(group)
+    _check_tensor(tensor, "tensor", "reduce")
+    check_reduce_op(op, tensor.dtype)
+    root = _root(g, dst, group_dst, "dst", "reduce")
+    backend = g.backend_for(tensor)
+    seq = g.next_seq()
+    staged = _Contiguous(tensor)
+    native = _native_op(backend, op)
+    work = backend.reduce(staged.tensor, root, native)
+    steps = []
+    if g.rank == root:
+        if native is not op:
+            steps.append(_average(staged.tensor, g.size))
+        steps.append(staged.write_back)
+    steps.append(staged.release)
+    return _complete(work, g, "reduce", seq, async_op, _sequence(*steps))
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Reduce ``input`` (group size blocks along dim 0, or flat) and give rank r block r in ``output``."""
+    g = resolve_group(group)
+    _check_tensor(output, "output", "reduce_scatter_tensor")
+    _check_tensor(input, "input", "reduce_scatter_tensor")
+    _check_same(output, input, "reduce_scatter_tensor")
+    check_reduce_op(op, input.dtype)
+    if input.numel() != output.numel() * g.size:
+        raise ValueError(
+            f"reduce_scatter_tensor: input has {input.numel()} elements but must have group size "
+            f"({g.size}) x output ({output.numel()}) = {output.numel() * g.size}; size the input "
+            f"as torch.empty(({g.size} * n, ...)) for an output of n rows"
+        )
+    backend = g.backend_for(input)
+    seq = g.next_seq()
+    staged_in = _Contiguous(input)
+    staged_out = _Contiguous(output, copy_in=False)
+    native = _native_op(backend, op)
+    work = backend.reduce_scatter_tensor(staged_out.tensor, staged_in.tensor, native)
+    steps = []
+    if native is not op:
+        steps.append(_average(staged_out.tensor, g.size))
+    steps += [staged_out.write_back, staged_out.release, staged_in.release]
+    return _complete(work, g, "reduce_scatter_tensor", seq, async_op, _sequence(*steps))
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: Sequence[torch.Tensor],
+    op: ReduceOp = ReduceOp.SUM,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """List form: rank r's ``output`` gets the reduction of every rank's ``input_list[r]``."""
+    g = resolve_group(group)
+    _check_tensor(output, "output", "reduce_scatter")
+    _check_list(input_list, g, output, "input_list", "reduce_scatter")
+    flat = _pool.acquire(output.numel() * g.size, output.dtype)
+    packed = flat[: output.numel() * g.size]
+    for block, item in zip(packed.chunk(g.size) if packed.numel() else [], input_list):
+        block.view(item.shape).copy_(item)
+    work = reduce_scatter_tensor(output, packed, op, group=g, async_op=True)
+    assert work is not None
+    return _finish_list(_then(work, lambda: _pool.release(flat)), async_op)
+
+
+# -- data movement -------------------------------------------------------------------
+def broadcast(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Work | None:
+    """Copy ``src``'s ``tensor`` into every rank's ``tensor``."""
+    g = resolve_group(group)
+    _check_tensor(tensor, "tensor", "broadcast")
+    root = _root(g, src, group_src, "src", "broadcast")
+    backend = g.backend_for(tensor)
+    seq = g.next_seq()
+    staged = _Contiguous(tensor, copy_in=g.rank == root)
+    work = backend.broadcast(staged.tensor, root)
+    return _complete(work, g, "broadcast", seq, async_op, _sequence(staged.write_back, staged.release))
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Gather every rank's ``input_tensor`` into ``output_tensor`` (rank r's in block r)."""
+    g = resolve_group(group)
+    _check_tensor(output_tensor, "output_tensor", "all_gather_into_tensor")
+    _check_tensor(input_tensor, "input_tensor", "all_gather_into_tensor")
+    _check_same(output_tensor, input_tensor, "all_gather_into_tensor")
+    if output_tensor.numel() != input_tensor.numel() * g.size:
+        raise ValueError(
+            f"all_gather_into_tensor: output has {output_tensor.numel()} elements but must have "
+            f"group size ({g.size}) x input ({input_tensor.numel()}) = {input_tensor.numel() * g.size}; "
+            f"allocate it as torch.empty(({g.size} * n, ...)) or torch.empty(({g.size}, n, ...))"
+        )
+    backend = g.backend_for(input_tensor)
+    seq = g.next_seq()
+    staged_in = _Contiguous(input_tensor)
+    staged_out = _Contiguous(output_tensor, copy_in=False)
+    work = backend.all_gather_into_tensor(staged_out.tensor, staged_in.tensor)
+    after = _sequence(staged_out.write_back, staged_out.release, staged_in.release)
+    return _complete(work, g, "all_gather_into_tensor", seq, async_op, after)
+
+
+def _check_list(items: Sequence[torch.Tensor], g: ProcessGroup, like: torch.Tensor, what: str, op: str) -> None:
+    if len(items) != g.size:
+        raise ValueError(f"{op}: {what} has {len(items)} tensors but the group has {g.size} ranks; pass one per rank")
+    for i, item in enumerate(items):
+        _check_tensor(item, f"{what}[{i}]", op)
+        _check_same(item, like, op)
+        if item.numel() != like.numel():
+            raise ValueError(
+                f"{op}: {what}[{i}] has shape {tuple(item.shape)} but the local tensor has "
+                f"{tuple(like.shape)}; every entry must have the same number of elements"
+            )
+
+
+def _finish_list(work: Work, async_op: bool) -> Work | None:
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """List form: ``tensor_list[r]`` receives rank r's ``tensor``."""
+    g = resolve_group(group)
+    _check_tensor(tensor, "tensor", "all_gather")
+    _check_list(tensor_list, g, tensor, "tensor_list", "all_gather")
+    flat = _pool.acquire(tensor.numel() * g.size, tensor.dtype)
+    packed = flat[: tensor.numel() * g.size]
+    work = all_gather_into_tensor(packed, tensor, group=g, async_op=True)
+    assert work is not None
+
+    def unpack() -> None:
+        if packed.numel():
+            for item, block in zip(tensor_list, packed.chunk(g.size)):
+                item.copy_(block.view(item.shape))
+        _pool.release(flat)
+
+    return _finish_list(_then(work, unpack), async_op)
+
+
+def _splits(sizes: Sequence[int] | None, rows: int, g: ProcessGroup, what: str) -> list[int]:
+    if sizes is None or len(sizes) == 0:
+        if rows % g.size:
+            raise ValueError(
+                f"all_to_all_single: {what} has {rows} rows, not divisible by the group size "
+                f"{g.size}; pass {what}_split_sizes for uneven splits"
+            )
+        return [rows // g.size] * g.size
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != g.size or any(s < 0 for s in sizes) or sum(sizes) != rows:
+        raise ValueError(
+            f"all_to_all_single: {what}_split_sizes {sizes} must have {g.size} non-negative "
+            f"entries that sum to the {what}'s {rows} rows (dim 0)"
+        )
+    return sizes
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """Rows of ``input`` go to each rank by ``input_split_sizes``; ``output`` collects by ``output_split_sizes``."""
+    g = resolve_group(group)
+    _check_tensor(output, "output", "all_to_all_single")
+    _check_tensor(input, "input", "all_to_all_single")
+    _check_same(output, input, "all_to_all_single")
+    in_rows = input.shape[0] if input.dim() else input.numel()
+    out_rows = output.shape[0] if output.dim() else output.numel()
+    in_sizes = _splits(input_split_sizes, in_rows, g, "input")
+    out_sizes = _splits(output_split_sizes, out_rows, g, "output")
+    if input.dim() > 1 and output.dim() > 1 and input.shape[1:] != output.shape[1:]:
+        raise ValueError(
+            f"all_to_all_single: input rows have shape {tuple(input.shape[1:])} but output rows "
+            f"{tuple(output.shape[1:])}; they must match"
+        )
+    backend = g.backend_for(input)
+    seq = g.next_seq()
+    staged_in = _Contiguous(input)
+    staged_out = _Contiguous(output, copy_in=False)
+    work = backend.all_to_all_single(staged_out.tensor, staged_in.tensor, out_sizes, in_sizes)
+    after = _sequence(staged_out.write_back, staged_out.release, staged_in.release)
+    return _complete(work, g, "all_to_all_single", seq, async_op, after)
+
+
+def all_to_all(
+    output_tensor_list: list[torch.Tensor],
+    input_tensor_list: list[torch.Tensor],
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Work | None:
+    """List form: ``input_tensor_list[i]`` goes to rank i; ``output_tensor_list[j]`` comes from rank j.
+
+    Entries may differ in size (uneven all-to-all).
+    """
+    g = resolve_group(group)
+    for what, items in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
+        if len(items) != g.size:
+            raise ValueError(f"all_to_all: {what} has {len(items)} tensors but the group has {g.size} ranks")
+        for i, item in enumerate(items):
+            _check_tensor(item, f"{what}[{i}]", "all_to_all")
+    dtype = input_tensor_list[0].dtype if input_tensor_list else torch.float32
+    for t in [*output_tensor_list, *input_tensor_list]:
+        if t.dtype != dtype:
+            raise TypeError(f"all_to_all: mixed dtypes {t.dtype} and {dtype}; use one dtype")
+    in_sizes = [t.numel() for t in input_tensor_list]
+    out_sizes = [t.numel() for t in output_tensor_list]
+    packed_in = torch.cat([t.reshape(-1) for t in input_tensor_list]) if input_tensor_list else torch.empty(0)
+    flat_out = _pool.acquire(sum(out_sizes), dtype)
+    packed_out = flat_out[: sum(out_sizes)]
+    work = all_to_all_single(packed_out, packed_in, out_sizes, in_sizes, group=g, async_op=True)
+    assert work is not None
+
+    def unpack() -> None:
+        for item, block in zip(output_tensor_list, packed_out.split(out_sizes)):
+            item.copy_(block.view(item.shape))
+        _pool.release(flat_out)
+
+    return _finish_list(_then(work, unpack), async_op)
+
+
+def gather(
+    tensor: torch.Tensor,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_dst: int | None = None,
+) -> Work | None:
+    """``gather_list[r]`` on ``dst`` receives rank r's ``tensor``; other ranks pass no list."""
+    g = resolve_group(group)
+    _check_tensor(tensor, "tensor", "gather")
+    root = _root(g, 0 if dst is None and group_dst is None else dst, group_dst, "dst", "gather")
+    is_root = g.rank == root
+    if is_root:
+        if gather_list is None:
+            raise ValueError("gather: the destination rank must pass gather_list, one tensor per rank")
+        _check_list(gather_list, g, tensor, "gather_list", "gather")
+    elif gather_list:
+        raise ValueError(f"gather: only the destination rank ({root} in the group) passes gather_list")
+    backend = g.backend_for(tensor)
+    seq = g.next_seq()
+    staged = _Contiguous(tensor)
+    flat = _pool.acquire(tensor.numel() * g.size, tensor.dtype) if is_root else None
+    packed = flat[: tensor.numel() * g.size] if flat is not None else None
+    work = backend.gather(packed, staged.tensor, root)
+
+    def unpack() -> None:
+        if packed is not None and gather_list is not None and packed.numel():
+            for item, block in zip(gather_list, packed.chunk(g.size)):
+                item.copy_(block.view(item.shape))
+        if flat is not None:
+            _pool.release(flat)
+        staged.release()
+
+    return _complete(work, g, "gather", seq, async_op, unpack)
+
+
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    group_src: int | None = None,
+) -> Work | None:
+    """Rank r's ``tensor`` receives ``scatter_list[r]`` of ``src``; other ranks pass no list."""
+    g = resolve_group(group)
+    _check_tensor(tensor, "tensor", "scatter")
+    root = _root(g, 0 if src is None and group_src is None else src, group_src, "src", "scatter")
+    is_root = g.rank == root
+    packed = None
+    if is_root:
+        if scatter_list is None:
+            raise ValueError("scatter: the source rank must pass scatter_list, one tensor per rank")
+        _check_list(scatter_list, g, tensor, "scatter_list", "scatter")
+        packed = torch.cat([t.reshape(-1) for t in scatter_list])
+    elif scatter_list:
+        raise ValueError(f"scatter: only the source rank ({root} in the group) passes scatter_list")
+    backend = g.backend_for(tensor)
+    seq = g.next_seq()
+    staged = _Contiguous(tensor, copy_in=False)
+    work = backend.scatter(staged.tensor, packed, root)
+    return _complete(work, g, "scatter", seq, async_op, _sequence(staged.write_back, staged.release))
+
+
+def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids: object = None) -> Work | None:
+    """Return once every rank of ``group`` has called barrier (or raise at the group timeout)."""
+    g = resolve_group(group)
+    device = "cpu" if g.backend_map is None or "cpu" in g.backend_map else next(iter(g.backend_map))
+    backend = g.backend(device)
+    seq = g.next_seq()
+    return _complete(backend.barrier(), g, "barrier", seq, async_op)

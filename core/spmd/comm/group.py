@@ -1,0 +1,147 @@
+"""ProcessGroup: a set of ranks with one lazily created backend per device type."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from spmd.comm.backend import Backend, BackendContext
+from spmd.comm.registry import backends
+from spmd.errors import BackendUnavailableError
+
+
+class ProcessGroup:
+    """The ranks that take part in a collective, and the backends that move their data.
+
+    ``ranks`` are global ranks in group order; ``rank`` is this process's rank
+    inside the group. A group holds one backend per device type (``cpu``,
+    ``cuda``, ...), created the first time a tensor of that device is used, so
+    a CPU-only job never touches a GPU library.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        ranks: Sequence[int],
+        global_rank: int,
+        store: tdist.Store,
+        timeout: timedelta,
+        backend_map: Mapping[str, str] | None,
+        options: Mapping[str, Any] | None = None,
+        parent: ProcessGroup | None = None,
+    ) -> None:
+        self.name = name
+        self.ranks = tuple(ranks)
+        self.size = len(self.ranks)
+        self.rank = self.ranks.index(global_rank)
+        self.timeout = timeout
+        self.backend_map = dict(backend_map) if backend_map is not None else None
+        self.options = dict(options or {})
+        self.parent = parent
+        self._root_store = store
+        self.store = tdist.PrefixStore(f"spmd/{name}/", store)
+        self._backends: dict[str, Backend] = {}
+        self._lock = threading.Lock()
+        self._global_to_group = {g: i for i, g in enumerate(self.ranks)}
+        self.seq = 0  # collectives issued on this group, in program order
+
+    # -- ranks ---------------------------------------------------------------------
+    def group_rank(self, global_rank: int) -> int:
+        """The group-local rank of a global rank, or a ValueError naming the group's ranks."""
+        local = self._global_to_group.get(global_rank)
+        if local is None:
+            raise ValueError(
+                f"global rank {global_rank} is not a member of group {self.name!r} "
+                f"(its ranks are {list(self.ranks)}); pass one of those, or group_src/group_dst"
+            )
+        return local
+
+    def global_rank(self, group_rank: int) -> int:
+        if not 0 <= group_rank < self.size:
+            raise ValueError(f"group rank {group_rank} is out of range for group {self.name!r} of size {self.size}")
+        return self.ranks[group_rank]
+
+    # -- backends ------------------------------------------------------------------
+    def backend_name(self, device_type: str) -> str:
+        """The backend this group uses (or will use) for ``device_type``."""
+        registry = backends()
+        if self.backend_map is None:
+            return registry.for_device(device_type).spec.name
+        name = self.backend_map.get(device_type)
+        if name is None:
+            configured = ", ".join(f"{d}:{b}" for d, b in self.backend_map.items())
+            raise BackendUnavailableError(
+                f"group {self.name!r} has no backend for {device_type!r} tensors (configured: "
+                f"{configured}); init with e.g. backend='{configured},{device_type}:<name>' or "
+                f"move the tensor to a configured device"
+            )
+        return name
+
+    def backend(self, device_type: str) -> Backend:
+        """The backend for ``device_type``, created on first use."""
+        backend = self._backends.get(device_type)
+        if backend is not None:
+            return backend
+        with self._lock:
+            backend = self._backends.get(device_type)
+            if backend is None:
+                backend = self._create_backend(device_type)
+                self._backends[device_type] = backend
+        return backend
+
+    def backend_for(self, tensor: torch.Tensor) -> Backend:
+        return self.backend(tensor.device.type)
+
+    def _create_backend(self, device_type: str) -> Backend:
+        entry = backends().get(self.backend_name(device_type))
+        spec = entry.spec
+        if device_type not in spec.devices:
+            raise BackendUnavailableError(
+                f"backend {spec.name!r} does not support {device_type!r} tensors (it supports "
+                f"{', '.join(spec.devices)}); choose another with backend='{device_type}:<name>'"
+            )
+        reason = spec.unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"backend {spec.name!r} (plugin {entry.plugin!r}) cannot run here: {reason}"
+            )
+        ctx = BackendContext(
+            rank=self.rank,
+            size=self.size,
+            store=tdist.PrefixStore(f"{device_type}/", self.store),
+            timeout=self.timeout,
+            group_name=self.name,
+            options=self.options,
+            device_type=device_type,
+            global_ranks=self.ranks,
+        )
+        backend = None
+        if self.parent is not None and device_type in self.parent._backends:
+            parent_backend = self.parent._backends[device_type]
+            local = [self.parent.group_rank(r) for r in self.ranks]
+            backend = parent_backend.split(local, ctx)
+        if backend is None:
+            backend = spec.factory(ctx)
+        if not hasattr(backend, "ctx"):
+            backend.ctx = ctx  # a third-party backend that skipped super().__init__
+        return backend
+
+    def close(self) -> None:
+        """Close every backend this group created."""
+        with self._lock:
+            created, self._backends = self._backends, {}
+        for backend in created.values():
+            backend.close()
+
+    def next_seq(self) -> int:
+        seq = self.seq
+        self.seq += 1
+        return seq
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup(name={self.name!r}, ranks={list(self.ranks)}, rank={self.rank})"

@@ -1,0 +1,249 @@
+"""init_process_group, groups and teardown, with torch.distributed's semantics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as tdist
+
+from spmd.comm import state
+from spmd.comm.group import ProcessGroup
+from spmd.comm.registry import backends, parse_backend_string
+from spmd.errors import BackendUnavailableError, SpmdError
+
+log = logging.getLogger("spmd")
+
+#: Default for every blocking call; override with init(timeout=...) or SPMD_TIMEOUT (seconds).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def _default_timeout() -> timedelta:
+    value = os.environ.get("SPMD_TIMEOUT")
+    return timedelta(seconds=float(value)) if value else DEFAULT_TIMEOUT
+
+
+def _resolve_world(init_method: str | None, rank: int, world_size: int) -> tuple[int, int, str, int]:
+    """rank, world size, master address and port from arguments, URL or launcher environment."""
+    from spmd.launch.environments import detect_launch
+
+    detected = detect_launch() if init_method in (None, "env://") else None
+    addr, port = "127.0.0.1", 0
+    if detected is not None:
+        _, info = detected
+        rank = info.rank if rank < 0 else rank
+        world_size = info.world_size if world_size < 0 else world_size
+        addr, port = info.master_addr, info.master_port
+    elif init_method and init_method.startswith("tcp://"):
+        url = urllib.parse.urlparse(init_method)
+        query = urllib.parse.parse_qs(url.query)
+        addr, port = url.hostname or "127.0.0.1", url.port or 29500
+        rank = int(query["rank"][0]) if rank < 0 and "rank" in query else rank
+        world_size = int(query["world_size"][0]) if world_size < 0 and "world_size" in query else world_size
+    if rank < 0 or world_size < 0:
+        raise SpmdError(
+            "spmd.init could not tell this process's rank and world size: no launcher "
+            "environment was found (RANK/WORLD_SIZE from `spmd run` or torchrun, mpiexec, srun). "
+            "Launch with `spmd run --nproc-per-node N script.py`, or pass rank= and world_size="
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world size {world_size}: ranks are 0..{world_size - 1}")
+    return rank, world_size, addr, port
+
+
+def _make_store(init_method: str | None, rank: int, world_size: int, addr: str, port: int, timeout: timedelta) -> tdist.Store:
+    if init_method and init_method.startswith("file://"):
+        path = urllib.parse.urlparse(init_method).path
+        return tdist.FileStore(path, world_size)
+    if world_size == 1 and port == 0:
+        return tdist.HashStore()
+    try:
+        return tdist.TCPStore(addr, port, world_size, rank == 0, timeout=timeout)
+    except Exception as error:  # noqa: BLE001 - re-raised with what to check
+        role = "host" if rank == 0 else "reach"
+        raise SpmdError(
+            f"rank {rank} could not {role} the rendezvous store at {addr}:{port} within "
+            f"{timeout.total_seconds():.0f} s ({error}). Check MASTER_ADDR/MASTER_PORT, that the "
+            f"port is free on the master, and that all {world_size} ranks were started"
+        ) from error
+
+
+def init_process_group(
+    backend: str | Mapping[str, str] | None = None,
+    init_method: str | None = None,
+    timeout: timedelta | float | None = None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: tdist.Store | None = None,
+    group_name: str = "world",
+    pg_options: Mapping[str, Any] | None = None,
+    device_id: Any = None,
+) -> ProcessGroup:
+    """Join the job: rendezvous with the other ranks and create the world group.
+
+    ``backend`` is ``"gloo"``, ``"cpu:gloo,cuda:nccl"``, the same as a dict, or
+    None for the best installed backend per device type. Rank and world size
+    come from the arguments, the ``init_method`` URL (``env://``,
+    ``tcp://host:port``, ``file:///path``), an explicit ``store``, or the
+    launcher's environment (``spmd run``, torchrun, mpiexec, srun). A plain
+    ``python script.py`` with none of those runs as a world of one. Backends
+    are created lazily, on the first tensor of their device.
+    """
+    if state.is_initialized():
+        raise SpmdError("spmd is already initialised; call spmd.destroy_process_group() before init again")
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    timeout = timeout or _default_timeout()
+    backend_map = parse_backend_string(backend)
+    if backend_map is not None:
+        for name in set(backend_map.values()):
+            entry = backends().get(name)
+            reason = entry.spec.unavailable_reason()
+            if reason is not None:
+                raise BackendUnavailableError(f"backend {name!r} (plugin {entry.plugin!r}) cannot run here: {reason}")
+
+    if store is None:
+        launcher_env = init_method is None and rank < 0 and world_size < 0
+        from spmd.launch.environments import detect_launch
+
+        if launcher_env and detect_launch() is None:
+            rank, world_size, addr, port = 0, 1, "127.0.0.1", 0
+            log.info("spmd.init: no launcher detected, running as a world of one")
+        else:
+            rank, world_size, addr, port = _resolve_world(init_method, rank, world_size)
+        store = _make_store(init_method, rank, world_size, addr, port, timeout)
+    elif rank < 0 or world_size < 0:
+        raise ValueError("init_process_group(store=...) also needs rank= and world_size=")
+    elif not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world size {world_size}: ranks are 0..{world_size - 1}")
+
+    world = ProcessGroup(group_name, range(world_size), rank, store, timeout, backend_map, pg_options)
+    state.set_state(state.WorldState(world=world, store=store, groups={group_name: world}))
+    return world
+
+
+#: The short name spmd recommends; identical to ``init_process_group``.
+init = init_process_group
+
+
+def destroy_process_group(group: ProcessGroup | None = None) -> None:
+    """Tear down one group, or (with None) every group and the world; init may be called again."""
+    current = state.get_state()
+    if group is None or group is current.world:
+        for g in list(current.groups.values()):
+            g.close()
+        state.set_state(None)
+        return
+    group.close()
+    current.groups.pop(group.name, None)
+
+
+def get_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in ``group`` (the world by default)."""
+    return state.resolve_group(group).rank
+
+
+def get_world_size(group: ProcessGroup | None = None) -> int:
+    """The number of ranks in ``group`` (the world by default)."""
+    return state.resolve_group(group).size
+
+
+def get_global_rank(group: ProcessGroup, group_rank: int) -> int:
+    """The world rank of ``group_rank`` in ``group``."""
+    return state.resolve_group(group).global_rank(group_rank)
+
+
+def get_group_rank(group: ProcessGroup, global_rank: int) -> int:
+    """The rank inside ``group`` of world rank ``global_rank``."""
+    return state.resolve_group(group).group_rank(global_rank)
+
+
+def get_process_group_ranks(group: ProcessGroup | None = None) -> list[int]:
+    """The world ranks of ``group``, in group order."""
+    return list(state.resolve_group(group).ranks)
+
+
+def get_backend(group: ProcessGroup | None = None, device: str = "cpu") -> str:
+    """The name of the backend ``group`` uses for tensors on ``device``."""
+    return state.resolve_group(group).backend_name(device)
+
+
+def new_group(
+    ranks: Sequence[int] | None = None,
+    timeout: timedelta | float | None = None,
+    backend: str | Mapping[str, str] | None = None,
+    pg_options: Mapping[str, Any] | None = None,
+    group_desc: str | None = None,
+) -> Any:
+    """A group of the given world ranks (all ranks if None); every rank must call it, in the same order.
+
+    Ranks outside the group get ``GroupMember.NON_GROUP_MEMBER``. Like torch,
+    this is collective by call order: ranks that create groups in different
+    orders get mismatched groups and hang (then time out).
+    """
+    current = state.get_state()
+    world = current.world
+    members = sorted(set(range(world.size) if ranks is None else ranks))
+    for r in members:
+        if not 0 <= r < world.size:
+            raise ValueError(f"new_group: rank {r} is out of range for world size {world.size}")
+    current.groups_created += 1
+    name = group_desc or f"group{current.groups_created}"
+    if name in current.groups:
+        name = f"{name}.{current.groups_created}"
+    if world.rank not in members:
+        return state.NON_GROUP_MEMBER
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    backend_map = parse_backend_string(backend) if backend is not None else world.backend_map
+    group = ProcessGroup(
+        name,
+        members,
+        world.ranks[world.rank],
+        current.store,
+        timeout or world.timeout,
+        backend_map,
+        pg_options or world.options,
+        parent=world,
+    )
+    current.groups[name] = group
+    return group
+
+
+def split_group(color: int, key: int | None = None, group: ProcessGroup | None = None) -> Any:
+    """Split ``group`` by ``color`` (MPI_Comm_split): ranks with one colour form one new group.
+
+    Every rank of ``group`` calls it. ``key`` orders ranks inside the new
+    group (ties by old rank); a negative colour returns NON_GROUP_MEMBER.
+    """
+    from spmd.comm.objects import all_gather_object
+
+    parent = state.resolve_group(group)
+    gathered: list[Any] = [None] * parent.size
+    all_gather_object(gathered, (color, parent.rank if key is None else key), group=parent)
+    current = state.get_state()
+    current.groups_created += 1
+    split_id = current.groups_created
+    if color < 0:
+        return state.NON_GROUP_MEMBER
+    members = sorted(
+        (k, i) for i, (c, k) in enumerate(gathered) if c == color
+    )
+    ranks = [parent.ranks[i] for _, i in members]
+    name = f"{parent.name}.split{split_id}.c{color}"
+    new = ProcessGroup(
+        name,
+        ranks,
+        parent.ranks[parent.rank],
+        current.store,
+        parent.timeout,
+        parent.backend_map,
+        parent.options,
+        parent=parent,
+    )
+    current.groups[name] = new
+    return new

@@ -1,0 +1,112 @@
+"""Object collectives: any picklable Python object, carried as uint8 tensors.
+
+They unpickle what peers send, so use them only between trusted ranks of
+your own job, exactly as with torch.distributed.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from spmd.comm import collectives
+from spmd.comm.group import ProcessGroup
+from spmd.comm.state import resolve_group
+
+
+def _to_tensor(obj: Any) -> torch.Tensor:
+    buffer = io.BytesIO()
+    pickle.dump(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+
+
+def _from_tensor(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())
+
+
+def _gather_sizes(g: ProcessGroup, size: int) -> list[int]:
+    local = torch.tensor([size], dtype=torch.int64)
+    sizes = torch.empty(g.size, dtype=torch.int64)
+    collectives.all_gather_into_tensor(sizes, local, group=g)
+    return sizes.tolist()
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
+    """``object_list[r]`` becomes rank r's ``obj`` on every rank."""
+    g = resolve_group(group)
+    if len(object_list) != g.size:
+        raise ValueError(f"all_gather_object: object_list has {len(object_list)} slots but the group has {g.size} ranks")
+    payload = _to_tensor(obj)
+    sizes = _gather_sizes(g, payload.numel())
+    longest = max(sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    gathered = torch.empty(longest * g.size, dtype=torch.uint8)
+    collectives.all_gather_into_tensor(gathered, padded, group=g)
+    for r, block in enumerate(gathered.view(g.size, longest)):
+        object_list[r] = _from_tensor(block[: sizes[r]])
+
+
+def broadcast_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None, group_src: int | None = None) -> None:
+    """Every rank's ``object_list`` becomes ``src``'s (lists must have equal length)."""
+    g = resolve_group(group)
+    root = collectives._root(g, 0 if src is None and group_src is None else src, group_src, "src", "broadcast_object_list")
+    payload = _to_tensor(list(object_list)) if g.rank == root else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    collectives.broadcast(size, group=g, group_src=root)
+    if g.rank != root:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    collectives.broadcast(payload, group=g, group_src=root)
+    if g.rank != root:
+        received = _from_tensor(payload)
+        if len(received) != len(object_list):
+            raise ValueError(
+                f"broadcast_object_list: this rank's list has {len(object_list)} slots but the "
+                f"source sent {len(received)}; give every rank a list of the same length"
+            )
+        object_list[:] = received
+
+
+def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None, group: ProcessGroup | None = None, group_dst: int | None = None) -> None:
+    """On ``dst``, ``object_gather_list[r]`` becomes rank r's ``obj``."""
+    g = resolve_group(group)
+    root = collectives._root(g, 0 if dst is None and group_dst is None else dst, group_dst, "dst", "gather_object")
+    if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
+        raise ValueError(f"gather_object: the destination must pass object_gather_list with {g.size} slots")
+    payload = _to_tensor(obj)
+    sizes = _gather_sizes(g, payload.numel())
+    longest = max(sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    slots = [torch.empty(longest, dtype=torch.uint8) for _ in range(g.size)] if g.rank == root else None
+    collectives.gather(padded, slots, group=g, group_dst=root)
+    if slots is not None and object_gather_list is not None:
+        for r, block in enumerate(slots):
+            object_gather_list[r] = _from_tensor(block[: sizes[r]])
+
+
+def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None, src: int | None = None, group: ProcessGroup | None = None, group_src: int | None = None) -> None:
+    """``scatter_object_output_list[0]`` becomes ``src``'s ``scatter_object_input_list[r]`` on rank r."""
+    g = resolve_group(group)
+    root = collectives._root(g, 0 if src is None and group_src is None else src, group_src, "src", "scatter_object_list")
+    if not scatter_object_output_list:
+        raise ValueError("scatter_object_list: pass an output list with at least one slot")
+    payloads = None
+    if g.rank == root:
+        if scatter_object_input_list is None or len(scatter_object_input_list) != g.size:
+            raise ValueError(f"scatter_object_list: the source must pass {g.size} objects, one per rank")
+        payloads = [_to_tensor(o) for o in scatter_object_input_list]
+    sizes = torch.tensor([p.numel() for p in payloads] if payloads else [0] * g.size, dtype=torch.int64)
+    collectives.broadcast(sizes, group=g, group_src=root)
+    longest = int(sizes.max().item())
+    padded = None
+    if payloads is not None:
+        padded = [torch.zeros(longest, dtype=torch.uint8) for _ in payloads]
+        for slot, p in zip(padded, payloads):
+            slot[: p.numel()] = p
+    mine = torch.empty(longest, dtype=torch.uint8)
+    collectives.scatter(mine, padded, group=g, group_src=root)
+    scatter_object_output_list[0] = _from_tensor(mine[: int(sizes[g.rank].item())])

@@ -1,0 +1,102 @@
+"""Point-to-point: send/recv, isend/irecv, batch_isend_irecv."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from spmd.comm.backend import COLLECTIVE_TAG_BASE
+from spmd.comm.collectives import _check_tensor, _complete, _Contiguous, _root, _sequence
+from spmd.comm.group import ProcessGroup
+from spmd.comm.state import resolve_group
+from spmd.comm.work import Work, WorkList
+
+
+def _check_tag(tag: int, op: str) -> None:
+    if not 0 <= tag < COLLECTIVE_TAG_BASE:
+        raise ValueError(f"{op}: tag {tag} is outside 0..{COLLECTIVE_TAG_BASE - 1}; higher tags are reserved for collectives")
+
+
+def _peer(g: ProcessGroup, rank: int | None, group_rank: int | None, what: str, op: str) -> int:
+    peer = _root(g, rank, group_rank, what, op)
+    if peer == g.rank:
+        raise ValueError(f"{op}: {what} is this rank itself ({g.ranks[peer]}); a rank cannot {op} to itself")
+    return peer
+
+
+def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None) -> Work:
+    """Start sending ``tensor`` to ``dst``; keep the tensor unchanged until the Work completes."""
+    g = resolve_group(group)
+    _check_tensor(tensor, "tensor", "isend")
+    _check_tag(tag, "isend")
+    peer = _peer(g, dst, group_dst, "dst", "isend")
+    staged = _Contiguous(tensor)
+    work = g.backend_for(tensor).isend(staged.tensor, peer, tag)
+    result = _complete(work, g, f"isend to rank {g.ranks[peer]} (tag {tag})", -1, True, staged.release)
+    assert result is not None
+    return result
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None) -> Work:
+    """Start receiving into ``tensor`` from ``src``; read it only after the Work completes."""
+    g = resolve_group(group)
+    _check_tensor(tensor, "tensor", "irecv")
+    _check_tag(tag, "irecv")
+    if src is None and group_src is None:
+        raise ValueError("irecv: receiving from any source is not supported; pass src= (the sender's rank)")
+    peer = _peer(g, src, group_src, "src", "irecv")
+    staged = _Contiguous(tensor, copy_in=False)
+    work = g.backend_for(tensor).irecv(staged.tensor, peer, tag)
+    after = _sequence(staged.write_back, staged.release)
+    result = _complete(work, g, f"irecv from rank {g.ranks[peer]} (tag {tag})", -1, True, after)
+    assert result is not None
+    return result
+
+
+def send(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None) -> None:
+    """Send ``tensor`` to ``dst`` and wait until it is sent."""
+    isend(tensor, dst, group, tag, group_dst).wait()
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None) -> int:
+    """Receive into ``tensor`` from ``src``; returns the sender's global rank."""
+    g = resolve_group(group)
+    irecv(tensor, src, g, tag, group_src).wait()
+    return src if src is not None else g.ranks[group_src or 0]
+
+
+@dataclass
+class P2POp:
+    """One point-to-point operation for ``batch_isend_irecv``: ``P2POp(spmd.isend, t, peer)``."""
+
+    op: Callable[..., Work]
+    tensor: torch.Tensor
+    peer: int | None = None
+    group: ProcessGroup | None = None
+    tag: int = 0
+    group_peer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.op not in (isend, irecv):
+            raise ValueError("P2POp: op must be spmd.isend or spmd.irecv")
+
+
+def batch_isend_irecv(p2p_op_list: Sequence[P2POp]) -> list[Work]:
+    """Start every op in the list (receives first, so paired batches cannot deadlock)."""
+    if not p2p_op_list:
+        raise ValueError("batch_isend_irecv: the list of P2POp is empty")
+    ordered = sorted(p2p_op_list, key=lambda p: p.op is isend)
+    works: dict[int, Work] = {}
+    for p in ordered:
+        if p.op is isend:
+            works[id(p)] = isend(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+        else:
+            works[id(p)] = irecv(p.tensor, p.peer, p.group, p.tag, p.group_peer)
+    return [works[id(p)] for p in p2p_op_list]
+
+
+def wait_all(works: Sequence[Work]) -> None:
+    """Wait for every Work of a batch."""
+    WorkList(list(works)).wait()

@@ -1,0 +1,99 @@
+"""ReduceOp and the local reduction kernels that the generic algorithms apply."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import torch
+
+
+class ReduceOp(enum.Enum):
+    """How a reduction combines the ranks' tensors (torch.distributed's names)."""
+
+    SUM = "sum"
+    AVG = "avg"
+    PRODUCT = "product"
+    MIN = "min"
+    MAX = "max"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
+
+    def __repr__(self) -> str:
+        return f"ReduceOp.{self.name}"
+
+
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+
+
+def is_floating(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def check_reduce_op(op: ReduceOp, dtype: torch.dtype) -> None:
+    """Raise a clear TypeError when ``op`` makes no sense for ``dtype``."""
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"op must be a spmd.ReduceOp, got {op!r}; use e.g. spmd.ReduceOp.SUM")
+    if op in _BITWISE and is_floating(dtype):
+        raise TypeError(
+            f"{op!r} is a bitwise reduction and cannot apply to a {dtype} tensor; "
+            "use an integer or bool tensor, or SUM/MIN/MAX for floating point"
+        )
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype.is_complex:
+        raise TypeError(f"{op!r} is undefined for complex dtype {dtype}: complex numbers have no order")
+    if op is ReduceOp.AVG and not is_floating(dtype):
+        raise TypeError(
+            f"ReduceOp.AVG needs a floating-point tensor, got {dtype}: an integer mean would "
+            "round silently. Reduce with SUM and divide, or cast to a floating dtype first"
+        )
+
+
+def _any(acc: torch.Tensor, x: torch.Tensor) -> None:
+    torch.logical_or(acc, x, out=acc)
+
+
+def _all(acc: torch.Tensor, x: torch.Tensor) -> None:
+    torch.logical_and(acc, x, out=acc)
+
+
+def _xor(acc: torch.Tensor, x: torch.Tensor) -> None:
+    torch.logical_xor(acc, x, out=acc)
+
+
+# On bool, SUM/MAX/BOR mean "any", PRODUCT/MIN/BAND mean "all", BXOR is parity.
+_BOOL_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    ReduceOp.SUM: _any,
+    ReduceOp.MAX: _any,
+    ReduceOp.BOR: _any,
+    ReduceOp.PRODUCT: _all,
+    ReduceOp.MIN: _all,
+    ReduceOp.BAND: _all,
+    ReduceOp.BXOR: _xor,
+}
+
+
+_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    ReduceOp.SUM: lambda acc, x: acc.add_(x),
+    ReduceOp.AVG: lambda acc, x: acc.add_(x),  # divided once at the end
+    ReduceOp.PRODUCT: lambda acc, x: acc.mul_(x),
+    ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
+    ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
+    ReduceOp.BAND: lambda acc, x: acc.bitwise_and_(x),
+    ReduceOp.BOR: lambda acc, x: acc.bitwise_or_(x),
+    ReduceOp.BXOR: lambda acc, x: acc.bitwise_xor_(x),
+}
+
+
+def reduce_into(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
+    """``acc = op(acc, other)`` in place, with no allocation (AVG accumulates a sum)."""
+    if acc.dtype == torch.bool:
+        _BOOL_KERNELS[op](acc, other)
+    else:
+        _KERNELS[op](acc, other)
+
+
+def finish_avg(tensor: torch.Tensor, op: ReduceOp, count: int) -> None:
+    """Turn the sum that AVG accumulated into the mean over ``count`` ranks."""
+    if op is ReduceOp.AVG and count > 1:
+        tensor.div_(count)

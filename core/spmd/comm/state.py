@@ -1,0 +1,71 @@
+"""The process-wide state: the world group and every group created since init."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as tdist
+
+from spmd.comm.group import ProcessGroup
+from spmd.errors import NotInitializedError
+
+
+@dataclass
+class WorldState:
+    world: ProcessGroup
+    store: tdist.Store
+    groups: dict[str, ProcessGroup] = field(default_factory=dict)
+    groups_created: int = 0
+
+
+_state: WorldState | None = None
+
+
+def get_state() -> WorldState:
+    if _state is None:
+        raise NotInitializedError(
+            "spmd is not initialised: call spmd.init() (or spmd.init_process_group) first, "
+            "e.g. under `spmd run --nproc-per-node 2 script.py`"
+        )
+    return _state
+
+
+def set_state(state: WorldState | None) -> None:
+    global _state
+    _state = state
+
+
+def is_initialized() -> bool:
+    """True between ``spmd.init`` and ``destroy_process_group``."""
+    return _state is not None
+
+
+def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
+    """``group`` itself, or the world group when None; a non-member's group is an error."""
+    state = get_state()
+    if group is None:
+        return state.world
+    if group is NON_GROUP_MEMBER:
+        raise ValueError(
+            "this rank is not a member of the group it passed: new_group() returns "
+            "spmd.GroupMember.NON_GROUP_MEMBER on ranks outside the group; call collectives "
+            "on that group only from its members"
+        )
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a spmd ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+class _NonGroupMember:
+    def __repr__(self) -> str:
+        return "GroupMember.NON_GROUP_MEMBER"
+
+
+NON_GROUP_MEMBER = _NonGroupMember()
+
+
+class GroupMember:
+    """torch.distributed's ``GroupMember``: ``WORLD`` is None (the default group)."""
+
+    WORLD = None
+    NON_GROUP_MEMBER = NON_GROUP_MEMBER

@@ -1,0 +1,31 @@
+"""The exceptions spmd raises: each names the problem, its cause and the way out."""
+
+from __future__ import annotations
+
+
+class SpmdError(RuntimeError):
+    """Base class of every error spmd raises on purpose."""
+
+
+class NotInitializedError(SpmdError):
+    """A collective or query ran before ``spmd.init`` (or after ``destroy_process_group``)."""
+
+
+class BackendNotFoundError(SpmdError, LookupError):
+    """The backend name asked for is not provided by any installed, loadable plugin."""
+
+
+class BackendUnavailableError(SpmdError):
+    """The backend's plugin is installed but its native dependency cannot be used here."""
+
+
+class PluginConflictError(SpmdError):
+    """Two plugins provide the same name and neither declares that it overrides the other."""
+
+
+class CollectiveTimeoutError(SpmdError, TimeoutError):
+    """A collective or point-to-point operation did not complete within its timeout."""
+
+
+class CollectiveError(SpmdError):
+    """A backend reported a failure while running an operation."""

@@ -1,0 +1,105 @@
+"""Every extension point of spmd, one documented function each.
+
+This module is the reference for plugin authors. Each hook is called by the
+plugin manager when a registry is first needed (lazily, once per process, on
+every rank independently), never on the hot path: the kernel freezes what the
+hooks return into registries and calls the objects directly afterwards.
+
+A plugin implements any subset, with ``@spmd.hookimpl``, in the module named
+by its entry point in the group ``spmd``::
+
+    # pyproject.toml
+    [project.entry-points.spmd]
+    mybackend = "spmd_mybackend"
+
+    # spmd_mybackend/__init__.py
+    import spmd
+
+    @spmd.hookimpl
+    def spmd_backends():
+        return [spmd.BackendSpec("mine", ("cpu",), factory=MyBackend)]
+
+Implementations may accept fewer arguments than the spec, so hooks can grow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from spmd.markers import hookspec
+
+
+@hookspec
+def spmd_backends() -> Iterable[Any]:
+    """Return the communication backends this plugin provides.
+
+    Signature: ``spmd_backends() -> Iterable[spmd.BackendSpec]``.
+    Called: the first time a backend registry is needed (``spmd.init``,
+    ``spmd plugins``, ``spmd doctor``), on every rank.
+    Returns: BackendSpec objects. Two specs with one name from different
+    plugins are an error naming both, unless one sets ``overrides=True``.
+    Must not import the backend's native library: do that in the factory.
+    """
+
+
+@hookspec
+def spmd_sharding_rules() -> Mapping[Any, Any]:
+    """Return sharding rules for DTensor operators.
+
+    Signature: ``spmd_sharding_rules() -> Mapping[torch._ops.OpOverload, Rule]``.
+    Called: the first time a DTensor op is dispatched, on every rank.
+    Returns: a mapping from an aten op overload to the rule that propagates
+    placements through it. A second rule for one op is a conflict.
+    """
+
+
+@hookspec
+def spmd_strategies() -> Iterable[Any]:
+    """Return parallelism strategies (DDP, FSDP, ...) that ``spmd.parallelize`` can apply by name.
+
+    Signature: ``spmd_strategies() -> Iterable[StrategySpec]`` (each has a ``name`` and ``apply``).
+    Called: the first time a strategy is looked up by name, on every rank.
+    """
+
+
+@hookspec
+def spmd_schedules() -> Iterable[Any]:
+    """Return pipeline schedule classes.
+
+    Signature: ``spmd_schedules() -> Iterable[type]``; each class has a unique ``name``.
+    Called: the first time a schedule is looked up by name, on every rank.
+    """
+
+
+@hookspec
+def spmd_storages() -> Iterable[Any]:
+    """Return checkpoint storages.
+
+    Signature: ``spmd_storages() -> Iterable[StorageSpec]`` (URL schemes and a factory).
+    Called: the first time a checkpoint path with a scheme is opened, on every rank.
+    """
+
+
+@hookspec
+def spmd_cluster_environments() -> Iterable[Any]:
+    """Return cluster environments that read rank, world size and master from the environment.
+
+    Signature: ``spmd_cluster_environments() -> Iterable[ClusterEnvironment]``.
+    Called: by ``spmd.init()`` without explicit rank/world, and by ``spmd run``,
+    to detect how the process was launched (torchrun, mpiexec, srun, ...).
+    Each environment has ``name``, ``priority``, ``detect() -> bool`` and
+    ``launch_info() -> spmd.launch.environments.LaunchInfo`` (rank, world
+    size, local rank, master address and port).
+    """
+
+
+#: Every hook name, for the docs meta-test and for ``spmd plugins``.
+HOOK_NAMES = (
+    "spmd_backends",
+    "spmd_sharding_rules",
+    "spmd_strategies",
+    "spmd_schedules",
+    "spmd_storages",
+    "spmd_cluster_environments",
+)

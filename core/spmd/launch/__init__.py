@@ -1,0 +1,1 @@
+"""Launching: cluster environments (and, later, the ``spmd run`` agent)."""

@@ -1,0 +1,129 @@
+"""Builtin plugin: detect how this process was launched (torchrun/spmd run, mpiexec, srun).
+
+Each environment reads rank, world size and the rendezvous master from the
+variables its launcher sets; ``spmd.init()`` without arguments asks them in
+priority order and uses the first that detects its launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from spmd.markers import hookimpl
+
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job, as its launcher told it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return None
+
+
+def _master(default_addr: str) -> tuple[str, int]:
+    addr = os.environ.get("MASTER_ADDR") or default_addr
+    port = int(os.environ.get("MASTER_PORT") or DEFAULT_MASTER_PORT)
+    return addr, port
+
+
+class TorchrunEnvironment:
+    """torchrun and ``spmd run``: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT."""
+
+    name = "torchrun"
+    priority = 100
+
+    def detect(self) -> bool:
+        return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+    def launch_info(self) -> LaunchInfo:
+        addr, port = _master("127.0.0.1")
+        return LaunchInfo(
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            local_rank=_env_int("LOCAL_RANK") or 0,
+            master_addr=addr,
+            master_port=port,
+        )
+
+
+class MpiEnvironment:
+    """mpiexec of Open MPI, MPICH/Hydra or PMIx; the store master defaults to localhost."""
+
+    name = "mpi"
+    priority = 50
+
+    def detect(self) -> bool:
+        return _env_int("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK") is not None
+
+    def launch_info(self) -> LaunchInfo:
+        rank = _env_int("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+        size = _env_int("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+        local = _env_int("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK")
+        if rank is None or size is None:
+            raise RuntimeError("mpiexec set a rank but no world size (OMPI_COMM_WORLD_SIZE/PMI_SIZE)")
+        addr, port = _master("127.0.0.1")
+        return LaunchInfo(rank, size, local or 0, addr, port)
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``node[03-05,7],gpu1`` -> ``node03``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not match:
+        return nodelist
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+class SlurmEnvironment:
+    """srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; master is the job's first node."""
+
+    name = "slurm"
+    priority = 40
+
+    def detect(self) -> bool:
+        return "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ
+
+    def launch_info(self) -> LaunchInfo:
+        host = first_slurm_host(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        addr, port = _master(host)
+        return LaunchInfo(
+            rank=int(os.environ["SLURM_PROCID"]),
+            world_size=int(os.environ["SLURM_NTASKS"]),
+            local_rank=_env_int("SLURM_LOCALID") or 0,
+            master_addr=addr,
+            master_port=port,
+        )
+
+
+@hookimpl
+def spmd_cluster_environments() -> Iterable[object]:
+    return [TorchrunEnvironment(), MpiEnvironment(), SlurmEnvironment()]
+
+
+def detect_launch() -> tuple[str, LaunchInfo] | None:
+    """Ask every cluster environment plugin, highest priority first; None if none detects."""
+    from spmd.plugins import manager
+
+    found = [env for _, envs in manager().hook_results("spmd_cluster_environments") for env in envs]
+    for env in sorted(found, key=lambda e: -e.priority):
+        if env.detect():
+            return env.name, env.launch_info()
+    return None

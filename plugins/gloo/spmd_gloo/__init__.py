@@ -1,0 +1,42 @@
+"""spmd-gloo: the default CPU backend, torch's ProcessGroupGloo behind spmd's contract."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import spmd
+
+
+def _available() -> str | None:
+    import torch.distributed as tdist
+
+    if not tdist.is_available() or not tdist.is_gloo_available():
+        return "this torch build has no Gloo (torch.distributed.is_gloo_available() is False)"
+    return None
+
+
+def _factory(ctx: spmd.BackendContext) -> spmd.Backend:
+    from spmd_gloo.backend import GlooBackend
+
+    return GlooBackend(ctx)
+
+
+def _capabilities() -> frozenset[str]:
+    from spmd_gloo.backend import GlooBackend
+
+    return GlooBackend.native_ops()
+
+
+@spmd.hookimpl
+def spmd_backends() -> Iterable[spmd.BackendSpec]:
+    return [
+        spmd.BackendSpec(
+            name="gloo",
+            devices=("cpu",),
+            factory=_factory,
+            priority=10,
+            available=_available,
+            capabilities=_capabilities(),
+            description="Gloo over TCP (torch's ProcessGroupGloo); the default CPU backend",
+        )
+    ]

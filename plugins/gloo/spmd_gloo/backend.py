@@ -1,0 +1,209 @@
+"""GlooBackend: every op Gloo has, natively; the kernel's generic algorithms for the rest.
+
+ProcessGroupGloo is built directly on the group's prefixed store rather than
+through ``torch.distributed.init_process_group``, so spmd and torch.distributed
+can live in one process. Gloo rejects some dtypes (int16, unsigned above 8
+bits, float8, ...) for data movement; those ops move raw bytes instead, so
+every dtype works. Reductions Gloo cannot do (bool, some complex ops, any
+dtype it lacks) fall back to the generic algorithms over Gloo send/recv.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+
+from spmd.comm.backend import Backend, BackendContext
+from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.work import Work
+from spmd.errors import CollectiveError
+
+_GLOO_REDUCE_DTYPES = frozenset(
+    {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64}
+)
+_GLOO_OPS = {
+    ReduceOp.SUM: tdist.ReduceOp.SUM,
+    ReduceOp.PRODUCT: tdist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: tdist.ReduceOp.MIN,
+    ReduceOp.MAX: tdist.ReduceOp.MAX,
+    ReduceOp.BAND: tdist.ReduceOp.BAND,
+    ReduceOp.BOR: tdist.ReduceOp.BOR,
+    ReduceOp.BXOR: tdist.ReduceOp.BXOR,
+}
+
+
+class GlooWork(Work):
+    """A Work over a c10d Work: waits natively (with Gloo's timed wait), completes lazily."""
+
+    def __init__(self, native: tdist.Work, keep_alive: object = None) -> None:
+        super().__init__()
+        self._native = native
+        self._keep_alive = keep_alive  # views whose storage Gloo reads or writes
+        self._hooked = False
+
+    def _settle(self, future: torch.futures.Future | None = None) -> None:
+        try:
+            if future is not None:
+                future.value()  # raises the op's error; never blocks inside the callback
+            else:
+                self._native.wait()
+        except RuntimeError as error:
+            self._finish(None, CollectiveError(f"{self.description} failed in Gloo: {error}"))
+        else:
+            self._finish(None, None)
+
+    def _wait_native(self, timeout: float | None) -> bool:
+        if self._done.is_set():
+            return True
+        try:
+            if timeout is None:
+                self._native.wait()
+            else:
+                self._native.wait(timedelta(seconds=timeout))
+        except RuntimeError as error:
+            if "timed out" in str(error).lower() and not self._native.is_completed():
+                return False
+            self._finish(None, CollectiveError(f"{self.description} failed in Gloo: {error}"))
+            return True
+        self._finish(None, None)
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set() and self._native.is_completed():
+            self._settle()
+        return self._done.is_set()
+
+    def add_done_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
+        if not self._hooked:
+            self._hooked = True
+            self._native.get_future().add_done_callback(self._settle)
+        super().add_done_callback(callback)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's memory (zero-copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _rows_as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A (rows, bytes-per-row) uint8 view, so row splits stay row splits."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    return tensor.reshape(rows, -1).view(torch.uint8)
+
+
+class GlooBackend(Backend):
+    """torch's ProcessGroupGloo for one spmd group."""
+
+    supports_avg = False  # Gloo has no AVG; the kernel sums and divides
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        self.pg = tdist.ProcessGroupGloo(ctx.store, ctx.rank, ctx.size, ctx.timeout)
+
+    def _wrap(self, native: tdist.Work, keep_alive: object = None) -> Work:
+        return GlooWork(native, keep_alive)
+
+    @staticmethod
+    def _native_reduce(tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor | None:
+        """The tensor Gloo can reduce for ``op`` (complex as real pairs), or None."""
+        if tensor.is_complex() and op is ReduceOp.SUM:
+            return torch.view_as_real(tensor)
+        if tensor.dtype in _GLOO_REDUCE_DTYPES and op in _GLOO_OPS:
+            return tensor
+        return None
+
+    # -- point-to-point ------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        data = _bytes(tensor)
+        return self._wrap(self.pg.send([data], dst, tag), data)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        data = _bytes(tensor)
+        return self._wrap(self.pg.recv([data], src, tag), data)
+
+    # -- collectives ---------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        native = self._native_reduce(tensor, op)
+        if native is None or tensor.numel() == 0:
+            return super().all_reduce(tensor, op)
+        opts = tdist.AllreduceOptions()
+        opts.reduceOp = _GLOO_OPS[op]
+        return self._wrap(self.pg.allreduce([native], opts), native)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+        native = self._native_reduce(tensor, op)
+        if native is None or tensor.numel() == 0:
+            return super().reduce(tensor, dst, op)
+        opts = tdist.ReduceOptions()
+        opts.reduceOp = _GLOO_OPS[op]
+        opts.rootRank = dst
+        return self._wrap(self.pg.reduce([native], opts), native)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        if tensor.numel() == 0:
+            return Work.completed()
+        data = _bytes(tensor)
+        opts = tdist.BroadcastOptions()
+        opts.rootRank = src
+        return self._wrap(self.pg.broadcast([data], opts), data)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+        if input.numel() == 0:
+            return Work.completed()
+        out, inp = _bytes(output), _bytes(input)
+        return self._wrap(self.pg._allgather_base(out, inp), (out, inp))
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
+        native_in = self._native_reduce(input, op)
+        native_out = self._native_reduce(output, op)
+        if native_in is None or native_out is None or output.numel() == 0:
+            return super().reduce_scatter_tensor(output, input, op)
+        opts = tdist.ReduceScatterOptions()
+        opts.reduceOp = _GLOO_OPS[op]
+        return self._wrap(
+            self.pg._reduce_scatter_base(native_out.reshape(-1), native_in.reshape(-1), opts),
+            (native_out, native_in),
+        )
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+    ) -> Work:
+        if output.numel() == 0 and input.numel() == 0:
+            return super().all_to_all_single(output, input, output_split_sizes, input_split_sizes)
+        out, inp = _rows_as_bytes(output), _rows_as_bytes(input)
+        native = self.pg.alltoall_base(
+            out, inp, list(output_split_sizes), list(input_split_sizes), tdist.AllToAllOptions()
+        )
+        return self._wrap(native, (out, inp))
+
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> Work:
+        if input.numel() == 0:
+            return Work.completed()
+        inp = _bytes(input)
+        outputs = [list(_bytes(output).chunk(self.size))] if output is not None else []
+        opts = tdist.GatherOptions()
+        opts.rootRank = dst
+        return self._wrap(self.pg.gather(outputs, [inp], opts), (outputs, inp))
+
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int) -> Work:
+        if output.numel() == 0:
+            return Work.completed()
+        out = _bytes(output)
+        inputs = [list(_bytes(input).chunk(self.size))] if input is not None else []
+        opts = tdist.ScatterOptions()
+        opts.rootRank = src
+        return self._wrap(self.pg.scatter([out], inputs, opts), (out, inputs))
+
+    def barrier(self) -> Work:
+        return self._wrap(self.pg.barrier())
+
+    def close(self) -> None:
+        super().close()
+        self.pg = None  # type: ignore[assignment]

@@ -29,11 +29,10 @@ class BufferPool:
         """A flat buffer of at least ``numel`` elements (its contents are garbage)."""
         with self._lock:
             free = self._free.get(dtype, [])
-            fits = [b for b in free if b.numel() >= numel]
+            fits = [i for i, b in enumerate(free) if b.numel() >= numel]
             if fits:
-                best = min(fits, key=torch.Tensor.numel)
-                free.remove(best)
-                return best
+                best = min(fits, key=lambda i: free[i].numel())
+                return free.pop(best)  # by index: tensors' == is elementwise
         return torch.empty(max(numel, 1), dtype=dtype)
 
     def release(self, buffer: torch.Tensor) -> None:
@@ -41,9 +40,9 @@ class BufferPool:
         with self._lock:
             self._free.setdefault(buffer.dtype, []).append(buffer)
             while self._cached_bytes() > self._max_cached_bytes:
-                victims = [(b.numel() * b.element_size(), d, b) for d, bs in self._free.items() for b in bs]
-                _, dtype, victim = min(victims, key=lambda v: v[0])
-                self._free[dtype].remove(victim)
+                victims = [(b.numel() * b.element_size(), d, i) for d, bs in self._free.items() for i, b in enumerate(bs)]
+                _, dtype, index = min(victims, key=lambda v: v[0])
+                self._free[dtype].pop(index)
 
     @contextmanager
     def borrow(self, numel: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:

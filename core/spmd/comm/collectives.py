@@ -8,6 +8,7 @@ waits (``async_op=False``) or returns the Work.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -58,23 +59,55 @@ def _describe(group: ProcessGroup, op: str, seq: int) -> str:
 
 
 # -- completion ----------------------------------------------------------------------
-def _then(work: Work, after: Callable[[], None]) -> Work:
-    """A Work that finishes once ``work`` has and ``after()`` ran (only on success)."""
-    chained = Work()
-    chained.default_timeout = work.default_timeout
-    chained.description = work.description
+class _ThenWork(Work):
+    """A Work that is ``inner`` followed by ``after()`` (run once, only on success).
 
-    def on_done(done: Work) -> None:
-        error = done.exception()
+    Waiting waits on ``inner`` natively in the caller's thread: no callback hop
+    and no helper thread, so many outstanding ops cannot starve each other.
+    """
+
+    def __init__(self, inner: Work, after: Callable[[], None]) -> None:
+        super().__init__()
+        self.inner = inner
+        self._after = after
+        self._ran = threading.Lock()
+        self._hooked = False
+        self.default_timeout = inner.default_timeout
+        self.description = inner.description
+
+    def _settle(self, _: Work | None = None) -> None:
+        if not self._ran.acquire(blocking=False):
+            return
+        error = self.inner.exception()
         if error is None:
             try:
-                after()
+                self._after()
             except BaseException as failure:  # noqa: BLE001 - delivered to the waiter
                 error = failure
-        chained._finish(None, error)
+        self._finish(None, error)
 
-    work.add_done_callback(on_done)
-    return chained
+    def _wait_native(self, timeout: float | None) -> bool:
+        if not self._done.is_set():
+            if not self.inner._wait_native(timeout):
+                return False
+            self._settle()
+        return self._done.wait(timeout)
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set() and self.inner.is_completed():
+            self._settle()
+        return self._done.is_set()
+
+    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+        if not self._hooked:
+            self._hooked = True
+            self.inner.add_done_callback(self._settle)
+        super().add_done_callback(callback)
+
+
+def _then(work: Work, after: Callable[[], None]) -> Work:
+    """A Work that finishes once ``work`` has and ``after()`` ran."""
+    return _ThenWork(work, after)
 
 
 def _complete(

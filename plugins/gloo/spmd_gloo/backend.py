@@ -10,6 +10,7 @@ dtype it lacks) fall back to the generic algorithms over Gloo send/recv.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -79,7 +80,12 @@ class GlooWork(Work):
     def add_done_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
         if not self._hooked:
             self._hooked = True
-            self._native.get_future().add_done_callback(self._settle)
+            try:
+                future = self._native.get_future()
+            except RuntimeError:  # Gloo's send/recv and reduce_scatter works have no future
+                threading.Thread(target=self._settle, name="spmd-gloo-wait", daemon=True).start()
+            else:
+                future.add_done_callback(self._settle)
         super().add_done_callback(callback)
 
 

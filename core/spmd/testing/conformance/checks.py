@@ -1,0 +1,391 @@
+"""One check per operation: run every case on every rank and compare with the local oracle.
+
+A check returns the failures it saw (AssertionError messages) rather than
+raising at the first one, so one bad dtype does not hide the others and the
+ranks stay in step. Anything other than a wrong result (an exception from the
+op itself) propagates and fails the rank with its traceback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Callable, Iterator
+
+import torch
+
+import spmd
+from spmd.comm.group import ProcessGroup
+from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.state import get_state
+from spmd.testing.conformance.data import (
+    DATA_DTYPES,
+    LARGE_DTYPES,
+    LARGE_SHAPE,
+    REDUCE_DTYPES,
+    SHAPES,
+    check_reduced,
+    expected_reduce,
+    make_input,
+    same_bytes,
+    strided,
+    valid_ops,
+)
+
+
+class Recorder:
+    """Runs cases, alternating sync and async calls, and keeps their failures."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+        self.count = 0
+
+    def next_async(self) -> bool:
+        self.count += 1
+        return self.count % 2 == 0
+
+    def case(self, name: str, body: Callable[[bool], None]) -> None:
+        async_op = self.next_async()
+        try:
+            body(async_op)
+        except AssertionError as error:
+            self.failures.append(f"{name} (async={async_op}): {error}")
+
+
+def _done(work: spmd.Work | None) -> None:
+    if work is not None:
+        work.wait()
+
+
+def _expect_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if not same_bytes(actual, expected):
+        raise AssertionError(f"{what}: data differs from the source")
+
+
+def _layouts() -> Iterator[tuple[tuple[int, ...], bool]]:
+    for shape in SHAPES:
+        yield shape, False
+    yield (3, 5), True  # non-contiguous
+
+
+def _roots(n: int) -> list[int]:
+    return sorted({0, n - 1})
+
+
+# -- reductions ----------------------------------------------------------------------
+def check_all_reduce(g: ProcessGroup, rec: Recorder) -> None:
+    cases = [(d, op, s, nc) for d in REDUCE_DTYPES for op in valid_ops(d) for s, nc in _layouts()]
+    cases += [(d, op, LARGE_SHAPE, False) for d in LARGE_DTYPES for op in (ReduceOp.SUM, ReduceOp.MAX)]
+    for dtype, op, shape, noncontig in cases:
+        key = f"all_reduce/{dtype}/{op.name}/{shape}/{noncontig}"
+        inputs = [make_input(i, key, shape, dtype, op) for i in range(g.size)]
+
+        def body(async_op: bool, inputs: list[torch.Tensor] = inputs, op: ReduceOp = op, noncontig: bool = noncontig, key: str = key) -> None:
+            t = strided(inputs[g.rank]) if noncontig else inputs[g.rank].clone()
+            _done(spmd.all_reduce(t, op, group=g, async_op=async_op))
+            check_reduced(t, expected_reduce(inputs, op), key)
+
+        rec.case(key, body)
+
+
+def check_reduce(g: ProcessGroup, rec: Recorder) -> None:
+    for dtype, root in itertools.product(REDUCE_DTYPES, _roots(g.size)):
+        for op in valid_ops(dtype):
+            for shape, noncontig in [((7,), False), ((3, 5), True), ((0,), False)]:
+                key = f"reduce/{dtype}/{op.name}/{shape}/{noncontig}/root{root}"
+                inputs = [make_input(i, key, shape, dtype, op) for i in range(g.size)]
+
+                def body(async_op: bool, inputs=inputs, op=op, noncontig=noncontig, key=key, root=root) -> None:  # type: ignore[no-untyped-def]
+                    t = strided(inputs[g.rank]) if noncontig else inputs[g.rank].clone()
+                    _done(spmd.reduce(t, group_dst=root, op=op, group=g, async_op=async_op))
+                    if g.rank == root:
+                        check_reduced(t, expected_reduce(inputs, op), key)
+
+                rec.case(key, body)
+
+
+def check_reduce_scatter_tensor(g: ProcessGroup, rec: Recorder) -> None:
+    n = g.size
+    for dtype in REDUCE_DTYPES:
+        for op in valid_ops(dtype):
+            for rows, stacked in [(0, False), (1, False), (5, False), (2, True)]:
+                key = f"reduce_scatter_tensor/{dtype}/{op.name}/{rows}/{stacked}"
+                shape = (n, rows, 3) if stacked else (n * rows, 3)
+                inputs = [make_input(i, key, shape, dtype, op) for i in range(n)]
+
+                def body(async_op: bool, inputs=inputs, op=op, key=key, rows=rows, stacked=stacked) -> None:  # type: ignore[no-untyped-def]
+                    out = torch.zeros((rows, 3), dtype=inputs[0].dtype)
+                    _done(spmd.reduce_scatter_tensor(out, inputs[g.rank], op, group=g, async_op=async_op))
+                    full = expected_reduce(inputs, op).reshape(n, rows, 3)
+                    check_reduced(out, full[g.rank], key)
+
+                rec.case(key, body)
+    for dtype in LARGE_DTYPES:
+        key = f"reduce_scatter_tensor/{dtype}/SUM/large"
+        inputs = [make_input(i, key, (n * 20000,), dtype) for i in range(n)]
+
+        def large(async_op: bool, inputs=inputs, key=key) -> None:  # type: ignore[no-untyped-def]
+            out = torch.zeros(20000, dtype=inputs[0].dtype)
+            _done(spmd.reduce_scatter_tensor(out, inputs[g.rank], ReduceOp.SUM, group=g, async_op=async_op))
+            check_reduced(out, expected_reduce(inputs, ReduceOp.SUM).chunk(n)[g.rank], key)
+
+        rec.case(key, large)
+
+
+def check_reduce_scatter(g: ProcessGroup, rec: Recorder) -> None:
+    n = g.size
+    for dtype in (torch.float32, torch.int64, torch.bool, torch.bfloat16):
+        for op in valid_ops(dtype)[:3]:
+            key = f"reduce_scatter/{dtype}/{op.name}"
+            inputs = [[make_input(i, f"{key}/{j}", (2, 3), dtype, op) for j in range(n)] for i in range(n)]
+
+            def body(async_op: bool, inputs=inputs, op=op, key=key, dtype=dtype) -> None:  # type: ignore[no-untyped-def]
+                out = torch.zeros((2, 3), dtype=dtype)
+                _done(spmd.reduce_scatter(out, inputs[g.rank], op, group=g, async_op=async_op))
+                check_reduced(out, expected_reduce([inputs[i][g.rank] for i in range(n)], op), key)
+
+            rec.case(key, body)
+
+
+# -- data movement -------------------------------------------------------------------
+def check_broadcast(g: ProcessGroup, rec: Recorder) -> None:
+    for dtype, root, (shape, noncontig) in itertools.product(DATA_DTYPES, _roots(g.size), _layouts()):
+        key = f"broadcast/{dtype}/{shape}/{noncontig}/root{root}"
+        source = make_input(root, key, shape, dtype)
+
+        def body(async_op: bool, source=source, root=root, noncontig=noncontig, key=key) -> None:  # type: ignore[no-untyped-def]
+            mine = source.clone() if g.rank == root else torch.zeros_like(source)
+            t = strided(mine) if noncontig else mine
+            _done(spmd.broadcast(t, group_src=root, group=g, async_op=async_op))
+            _expect_bytes(t, source, key)
+
+        rec.case(key, body)
+    for dtype in LARGE_DTYPES:
+        key = f"broadcast/{dtype}/large"
+        source = make_input(0, key, LARGE_SHAPE, dtype)
+
+        def large(async_op: bool, source=source, key=key) -> None:  # type: ignore[no-untyped-def]
+            t = source.clone() if g.rank == 0 else torch.zeros_like(source)
+            _done(spmd.broadcast(t, group_src=0, group=g, async_op=async_op))
+            _expect_bytes(t, source, key)
+
+        rec.case(key, large)
+
+
+def check_all_gather_into_tensor(g: ProcessGroup, rec: Recorder) -> None:
+    n = g.size
+    layouts = [(s, nc, stack) for s, nc in _layouts() for stack in (False, True)]
+    cases = [(d, s, nc, st) for d in DATA_DTYPES for s, nc, st in layouts]
+    cases += [(d, LARGE_SHAPE, False, False) for d in LARGE_DTYPES]
+    for dtype, shape, noncontig, stack in cases:
+        key = f"all_gather_into_tensor/{dtype}/{shape}/{noncontig}/stack={stack}"
+        inputs = [make_input(i, key, shape, dtype) for i in range(n)]
+        expected = torch.stack(inputs) if stack else torch.cat(inputs)
+
+        def body(async_op: bool, inputs=inputs, expected=expected, noncontig=noncontig, key=key) -> None:  # type: ignore[no-untyped-def]
+            out = torch.zeros_like(expected)
+            mine = strided(inputs[g.rank]) if noncontig else inputs[g.rank]
+            _done(spmd.all_gather_into_tensor(out, mine, group=g, async_op=async_op))
+            _expect_bytes(out, expected, key)
+
+        rec.case(key, body)
+
+
+def check_all_gather(g: ProcessGroup, rec: Recorder) -> None:
+    n = g.size
+    for dtype, shape in itertools.product(DATA_DTYPES, [(0,), (3, 5), (1000,)]):
+        key = f"all_gather/{dtype}/{shape}"
+        inputs = [make_input(i, key, shape, dtype) for i in range(n)]
+
+        def body(async_op: bool, inputs=inputs, key=key) -> None:  # type: ignore[no-untyped-def]
+            outs = [torch.zeros_like(inputs[0]) for _ in range(n)]
+            _done(spmd.all_gather(outs, inputs[g.rank], group=g, async_op=async_op))
+            for i in range(n):
+                _expect_bytes(outs[i], inputs[i], f"{key}[{i}]")
+
+        rec.case(key, body)
+
+
+def _uneven_splits(n: int) -> list[list[int]]:
+    """splits[i][j]: rows rank i sends to rank j (0, 1 or 2; some zero)."""
+    return [[(i + 2 * j) % 3 for j in range(n)] for i in range(n)]
+
+
+def check_all_to_all_single(g: ProcessGroup, rec: Recorder) -> None:
+    n, r = g.size, g.rank
+    for dtype, uneven, noncontig in itertools.product(DATA_DTYPES, (False, True), (False, True)):
+        key = f"all_to_all_single/{dtype}/uneven={uneven}/noncontig={noncontig}"
+        splits = _uneven_splits(n) if uneven else [[2] * n for _ in range(n)]
+        inputs = [make_input(i, key, (sum(splits[i]), 4), dtype) for i in range(n)]
+        blocks = [list(inputs[i].split(splits[i])) for i in range(n)]
+        expected = torch.cat([blocks[j][r] for j in range(n)])
+
+        def body(async_op: bool, inputs=inputs, splits=splits, expected=expected, key=key, uneven=uneven, noncontig=noncontig) -> None:  # type: ignore[no-untyped-def]
+            out = torch.zeros_like(expected)
+            mine = strided(inputs[r]) if noncontig else inputs[r]
+            in_splits = splits[r] if uneven else None
+            out_splits = [splits[j][r] for j in range(n)] if uneven else None
+            _done(spmd.all_to_all_single(out, mine, out_splits, in_splits, group=g, async_op=async_op))
+            _expect_bytes(out, expected, key)
+
+        rec.case(key, body)
+
+
+def check_all_to_all(g: ProcessGroup, rec: Recorder) -> None:
+    n, r = g.size, g.rank
+    splits = _uneven_splits(n)
+    for dtype in (torch.float32, torch.int16, torch.bool, torch.bfloat16):
+        key = f"all_to_all/{dtype}"
+        inputs = [[make_input(i, f"{key}/{j}", (splits[i][j], 2), dtype) for j in range(n)] for i in range(n)]
+
+        def body(async_op: bool, inputs=inputs, key=key) -> None:  # type: ignore[no-untyped-def]
+            outs = [torch.zeros_like(inputs[j][r]) for j in range(n)]
+            _done(spmd.all_to_all(outs, inputs[r], group=g, async_op=async_op))
+            for j in range(n):
+                _expect_bytes(outs[j], inputs[j][r], f"{key} from {j}")
+
+        rec.case(key, body)
+
+
+def check_gather(g: ProcessGroup, rec: Recorder) -> None:
+    n = g.size
+    for dtype, root, shape in itertools.product(DATA_DTYPES, _roots(n), [(0,), (3, 5)]):
+        key = f"gather/{dtype}/{shape}/root{root}"
+        inputs = [make_input(i, key, shape, dtype) for i in range(n)]
+
+        def body(async_op: bool, inputs=inputs, root=root, key=key) -> None:  # type: ignore[no-untyped-def]
+            slots = [torch.zeros_like(inputs[0]) for _ in range(n)] if g.rank == root else None
+            _done(spmd.gather(inputs[g.rank], slots, group_dst=root, group=g, async_op=async_op))
+            if slots is not None:
+                for i in range(n):
+                    _expect_bytes(slots[i], inputs[i], f"{key}[{i}]")
+
+        rec.case(key, body)
+
+
+def check_scatter(g: ProcessGroup, rec: Recorder) -> None:
+    n = g.size
+    for dtype, root, shape in itertools.product(DATA_DTYPES, _roots(n), [(0,), (3, 5)]):
+        key = f"scatter/{dtype}/{shape}/root{root}"
+        pieces = [make_input(i, key, shape, dtype) for i in range(n)]
+
+        def body(async_op: bool, pieces=pieces, root=root, key=key) -> None:  # type: ignore[no-untyped-def]
+            out = torch.zeros_like(pieces[0])
+            _done(spmd.scatter(out, pieces if g.rank == root else None, group_src=root, group=g, async_op=async_op))
+            _expect_bytes(out, pieces[g.rank], key)
+
+        rec.case(key, body)
+
+
+def check_barrier(g: ProcessGroup, rec: Recorder) -> None:
+    """After the barrier every rank's pre-barrier mark must be visible in the store."""
+    store = get_state().store
+    token = [uuid.uuid4().hex]
+    spmd.broadcast_object_list(token, group=g, group_src=0)
+    for round_ in range(4):
+        key = f"barrier/{token[0]}/{round_}"
+
+        def body(async_op: bool, key=key) -> None:  # type: ignore[no-untyped-def]
+            store.set(f"{key}/{g.rank}", "1")
+            _done(spmd.barrier(group=g, async_op=async_op))
+            missing = [i for i in range(g.size) if not store.check([f"{key}/{i}"])]
+            if missing:
+                raise AssertionError(f"{key}: ranks {missing} had not arrived when the barrier returned")
+
+        rec.case(key, body)
+
+
+def check_p2p(g: ProcessGroup, rec: Recorder) -> None:
+    """Ring exchange with isend/irecv, ordered messages on one tag, and batch_isend_irecv."""
+    n, r = g.size, g.rank
+    if n == 1:
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    for dtype, (shape, noncontig) in itertools.product(DATA_DTYPES, _layouts()):
+        key = f"p2p/{dtype}/{shape}/{noncontig}"
+        inputs = [make_input(i, key, shape, dtype) for i in range(n)]
+
+        def body(async_op: bool, inputs=inputs, key=key, noncontig=noncontig) -> None:  # type: ignore[no-untyped-def]
+            got = torch.zeros_like(inputs[0])
+            target = strided(got) if noncontig else got
+            if async_op:
+                works = spmd.batch_isend_irecv(
+                    [spmd.P2POp(spmd.isend, inputs[r], group_peer=right, group=g, tag=3),
+                     spmd.P2POp(spmd.irecv, target, group_peer=left, group=g, tag=3)]
+                )
+                for w in works:
+                    w.wait()
+            else:
+                recv = spmd.irecv(target, group=g, group_src=left, tag=3)
+                spmd.isend(inputs[r], group=g, group_dst=right, tag=3).wait()
+                recv.wait()
+            _expect_bytes(target, inputs[left], key)
+
+        rec.case(key, body)
+
+    def ordered(async_op: bool) -> None:
+        sends = [spmd.isend(torch.full((4,), float(k)), group=g, group_dst=right, tag=7) for k in range(5)]
+        got = [torch.zeros(4) for _ in range(5)]
+        for k in range(5):
+            spmd.recv(got[k], group=g, group_src=left, tag=7)
+        for w in sends:
+            w.wait()
+        if [int(t[0]) for t in got] != list(range(5)):
+            raise AssertionError(f"messages on one tag arrived out of order: {[int(t[0]) for t in got]}")
+
+    rec.case("p2p/order", ordered)
+
+
+def check_objects(g: ProcessGroup, rec: Recorder) -> None:
+    n, r = g.size, g.rank
+
+    def objects(rank: int) -> dict:
+        return {"rank": rank, "payload": list(range(rank * 50)), "name": "x" * rank}
+
+    def gather_all(async_op: bool) -> None:
+        out: list = [None] * n
+        spmd.all_gather_object(out, objects(r), group=g)
+        if out != [objects(i) for i in range(n)]:
+            raise AssertionError(f"all_gather_object: {out}")
+
+    def broadcast(async_op: bool) -> None:
+        for root in _roots(n):
+            items = [objects(root), "tail"] if r == root else [None, None]
+            spmd.broadcast_object_list(items, group=g, group_src=root)
+            if items != [objects(root), "tail"]:
+                raise AssertionError(f"broadcast_object_list from {root}: {items}")
+
+    def gather(async_op: bool) -> None:
+        for root in _roots(n):
+            out = [None] * n if r == root else None
+            spmd.gather_object(objects(r), out, group=g, group_dst=root)
+            if out is not None and out != [objects(i) for i in range(n)]:
+                raise AssertionError(f"gather_object to {root}: {out}")
+
+    def scatter(async_op: bool) -> None:
+        for root in _roots(n):
+            out: list = [None]
+            spmd.scatter_object_list(out, [objects(i) for i in range(n)] if r == root else None, group=g, group_src=root)
+            if out[0] != objects(r):
+                raise AssertionError(f"scatter_object_list from {root}: {out}")
+
+    for name, fn in [("all_gather_object", gather_all), ("broadcast_object_list", broadcast), ("gather_object", gather), ("scatter_object_list", scatter)]:
+        rec.case(name, fn)
+
+
+CHECKS: dict[str, Callable[[ProcessGroup, Recorder], None]] = {
+    "all_reduce": check_all_reduce,
+    "reduce": check_reduce,
+    "reduce_scatter_tensor": check_reduce_scatter_tensor,
+    "reduce_scatter": check_reduce_scatter,
+    "broadcast": check_broadcast,
+    "all_gather_into_tensor": check_all_gather_into_tensor,
+    "all_gather": check_all_gather,
+    "all_to_all_single": check_all_to_all_single,
+    "all_to_all": check_all_to_all,
+    "gather": check_gather,
+    "scatter": check_scatter,
+    "barrier": check_barrier,
+    "p2p": check_p2p,
+    "objects": check_objects,
+}

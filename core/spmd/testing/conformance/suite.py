@@ -1,0 +1,81 @@
+"""The pytest face of the conformance suite: one test per (world size, op, group shape)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import spmd
+from spmd.comm.group import ProcessGroup
+from spmd.comm.state import NON_GROUP_MEMBER
+from spmd.testing.conformance.checks import CHECKS, Recorder
+from spmd.testing.world import World
+
+#: world: every rank; subset: all but rank 0; split: split_group by parity, in reverse rank order.
+GROUP_SHAPES = ("world", "subset", "split")
+
+
+@dataclass(frozen=True)
+class SuiteParam:
+    world_size: int
+    op: str
+    shape: str
+
+    @property
+    def id(self) -> str:
+        return f"w{self.world_size}-{self.op}-{self.shape}"
+
+
+def suite_params(world_sizes: tuple[int, ...]) -> list[SuiteParam]:
+    """Every (world size, op, group shape); sub-group shapes only where they differ from the world."""
+    return [
+        SuiteParam(ws, op, shape)
+        for ws in world_sizes
+        for shape in GROUP_SHAPES
+        if shape == "world" or ws > 1
+        for op in CHECKS
+    ]
+
+
+def _make_group(shape: str) -> ProcessGroup | object:
+    n, r = spmd.get_world_size(), spmd.get_rank()
+    if shape == "world":
+        return spmd.comm.state.get_state().world
+    if shape == "subset":
+        return spmd.new_group(list(range(1, n)))
+    if shape == "split":
+        return spmd.split_group(color=r % 2, key=-r)
+    raise ValueError(f"unknown group shape {shape!r}; choose from {GROUP_SHAPES}")
+
+
+def run_cases(op: str, shape: str) -> list[str]:
+    """On one rank: build the group, run every case of ``op``, return the failures."""
+    group = _make_group(shape)
+    if group is NON_GROUP_MEMBER:
+        return []
+    assert isinstance(group, ProcessGroup)
+    recorder = Recorder()
+    CHECKS[op](group, recorder)
+    if recorder.count == 0 and not (op == "p2p" and group.size == 1):
+        return [f"{op}: no cases ran"]
+    return recorder.failures
+
+
+class BackendConformance:
+    """Subclass in a backend plugin's tests to run the whole suite against it::
+
+        class TestGlooConformance(BackendConformance):
+            backend = "gloo"
+    """
+
+    spmd_conformance = True
+    backend: str = ""
+    world_sizes: tuple[int, ...] = (1, 2, 3, 4)
+    #: Seconds one (world size, op, group shape) run may take on all ranks.
+    run_timeout: float = 240.0
+
+    def test_conformance(self, spmd_world: Callable[[int, str], World], conformance_case: SuiteParam) -> None:
+        world = spmd_world(conformance_case.world_size, self.backend)
+        per_rank = world.run(run_cases, conformance_case.op, conformance_case.shape, timeout=self.run_timeout)
+        failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+        assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])

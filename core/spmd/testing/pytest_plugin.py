@@ -1,0 +1,72 @@
+"""The pytest plugin: a pool of Worlds and the ``spmd_world`` fixture.
+
+    def test_sum(spmd_world):
+        world = spmd_world(2, "gloo")
+        results = world.run(my_module_level_function, arg)
+
+The function must be importable (module level) because it is pickled by
+reference. Worlds are pooled per (world size, backend) for the session, the
+least recently used one is closed when more than ``MAX_LIVE`` are up, and a
+world that failed or timed out is replaced by a fresh one on next use.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from spmd.testing.world import World
+
+MAX_LIVE = 2
+
+
+class WorldPool:
+    """Live Worlds keyed by (world size, backend), least recently used closed first."""
+
+    def __init__(self) -> None:
+        self._worlds: OrderedDict[tuple[int, str | None], World] = OrderedDict()
+
+    def get(self, world_size: int, backend: str | None) -> World:
+        key = (world_size, backend)
+        world = self._worlds.pop(key, None)
+        if world is None or not world.alive:
+            while len(self._worlds) >= MAX_LIVE:
+                _, oldest = self._worlds.popitem(last=False)
+                oldest.close()
+            world = World(world_size, backend)
+        self._worlds[key] = world
+        return world
+
+    def close(self) -> None:
+        while self._worlds:
+            _, world = self._worlds.popitem()
+            world.close()
+
+
+@pytest.fixture(scope="session")
+def spmd_world_pool() -> Iterator[WorldPool]:
+    pool = WorldPool()
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def spmd_world(spmd_world_pool: WorldPool) -> Callable[[int, str | None], World]:
+    """A factory: ``spmd_world(world_size, backend)`` -> a live, pooled World."""
+    return spmd_world_pool.get
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrize conformance classes over their world sizes, ops and group shapes."""
+    cls = metafunc.cls
+    if cls is None or not getattr(cls, "spmd_conformance", False):
+        return
+    if "conformance_case" in metafunc.fixturenames:
+        from spmd.testing.conformance import suite_params
+
+        params = suite_params(cls.world_sizes)
+        metafunc.parametrize("conformance_case", params, ids=[p.id for p in params])

@@ -1,0 +1,113 @@
+"""The ``spmd`` command: ``spmd plugins`` and ``spmd doctor`` (``spmd run`` arrives with the launcher)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from spmd.plugins import PluginInfo, manager
+
+
+def _provides(info: PluginInfo) -> dict[str, list[str]]:
+    """What one plugin contributes, per hook, read from its hook results."""
+    pm = manager()
+    provided: dict[str, list[str]] = {}
+    if not info.loaded:
+        return provided
+    plugin = pm.get_plugin(info.name)
+    for hook_name in ("spmd_backends", "spmd_strategies", "spmd_schedules", "spmd_storages", "spmd_cluster_environments", "spmd_sharding_rules"):
+        impl = getattr(plugin, hook_name, None)
+        if impl is None:
+            continue
+        try:
+            result = impl()
+        except Exception as error:  # noqa: BLE001 - shown, not fatal
+            provided[hook_name] = [f"<error: {error}>"]
+            continue
+        if hook_name == "spmd_backends":
+            provided["backends"] = [f"{s.name} ({', '.join(s.devices)})" for s in result]
+        elif hook_name == "spmd_sharding_rules":
+            provided["sharding rules"] = [f"{len(result)} ops"]
+        else:
+            label = hook_name.removeprefix("spmd_").replace("_", " ")
+            provided[label] = [getattr(x, "name", getattr(x, "__name__", repr(x))) for x in result]
+    return provided
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    infos = list(manager().infos.values())
+    rows = []
+    for info in infos:
+        status = "blocked" if info.blocked else ("BROKEN" if info.error else "loaded")
+        rows.append({
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "builtin": info.builtin,
+            "status": status,
+            "error": info.error,
+            "provides": _provides(info),
+        })
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        kind = "builtin" if row["builtin"] else "plugin"
+        print(f"{row['name']}  [{kind}] {row['distribution']} {row['version']}  {row['status']}")
+        for what, names in row["provides"].items():
+            print(f"    {what}: {', '.join(names)}")
+        if row["error"]:
+            print(f"    error: {row['error']}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from spmd.comm.backend import COLLECTIVE_OPS
+    from spmd.comm.registry import backends
+
+    ok = True
+    print("plugins:")
+    for info in manager().infos.values():
+        if info.blocked:
+            print(f"  - {info.name}: blocked by SPMD_BLOCK_PLUGINS")
+        elif info.error:
+            ok = False
+            print(f"  x {info.name} ({info.distribution} {info.version}): failed to load: {info.error}")
+        else:
+            print(f"  + {info.name} ({info.distribution} {info.version}): loaded")
+    print("backends:")
+    for entry in backends().entries():
+        spec = entry.spec
+        reason = spec.unavailable_reason()
+        mark = "+" if reason is None else "x"
+        state = "usable" if reason is None else f"NOT usable: {reason}"
+        print(f"  {mark} {spec.name} [{', '.join(spec.devices)}] from {entry.plugin}, priority {spec.priority}: {state}")
+        native = sorted(spec.native_ops())
+        generic = [op for op in COLLECTIVE_OPS if op not in native and op != "split"]
+        print(f"      native: {', '.join(native) or 'none'}")
+        print(f"      generic (kernel algorithms over isend/irecv): {', '.join(generic) or 'none'}")
+    for device in backends().device_types():
+        try:
+            chosen = backends().for_device(device).spec.name
+        except Exception as error:  # noqa: BLE001 - reported
+            chosen = f"none ({error})"
+        print(f"default for {device}: {chosen}")
+    return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spmd", description="spmd: backend-agnostic distributed training for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plugins = sub.add_parser("plugins", help="list installed plugins and what each provides")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    plugins.set_defaults(func=cmd_plugins)
+    doctor = sub.add_parser("doctor", help="check that plugins load and backends can run here")
+    doctor.set_defaults(func=cmd_doctor)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,7 @@ import torch.distributed as tdist
 
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.registry import backends
-from spmd.errors import BackendUnavailableError
+from spmd.errors import BackendUnavailableError, CollectiveTimeoutError
 
 
 class ProcessGroup:
@@ -126,10 +126,23 @@ class ProcessGroup:
             local = [self.parent.group_rank(r) for r in self.ranks]
             backend = parent_backend.split(local, ctx)
         if backend is None:
-            backend = spec.factory(ctx)
+            try:
+                backend = spec.factory(ctx)
+            except Exception as error:
+                raise self._creation_error(spec.name, entry.plugin, device_type, error) from error
         if not hasattr(backend, "ctx"):
             backend.ctx = ctx  # a third-party backend that skipped super().__init__
         return backend
+
+    def _creation_error(self, name: str, plugin: str, device_type: str, error: Exception) -> Exception:
+        text = str(error)
+        detail = f"backend {name!r} (plugin {plugin!r}) could not be created for {device_type!r} on group {self.name!r} (ranks {list(self.ranks)}), this rank {self.rank}: {text}"
+        if "timeout" in text.lower() or isinstance(error, TimeoutError):
+            return CollectiveTimeoutError(
+                f"{detail}. Not every rank of the group reached its first collective on this device "
+                f"within {self.timeout.total_seconds():.1f} s; check that all members call it"
+            )
+        return BackendUnavailableError(f"{detail}. Run `spmd doctor` to check the backend")
 
     def close(self) -> None:
         """Close every backend this group created."""

@@ -1,0 +1,75 @@
+"""Bad input gets a clear error naming the problem and the fix; a missing rank becomes a timeout."""
+
+import pytest
+import torch
+
+import helpers
+import spmd
+
+CASES = {
+    "bad_dst": ("ValueError", "global rank 5 is not a member of group 'world'"),
+    "bad_group_src": ("ValueError", "group_src=-1 is out of range"),
+    "wrong_output_size": ("ValueError", "output has 3 elements but must have group size (2) x input (2) = 4"),
+    "wrong_rs_input": ("ValueError", "input has 5 elements but must have group size (2) x output (2) = 4"),
+    "mixed_dtypes": ("TypeError", "output dtype torch.int32 differs from input dtype torch.float32"),
+    "bitwise_on_float": ("TypeError", "bitwise reduction and cannot apply to a torch.float32 tensor"),
+    "avg_on_int": ("TypeError", "ReduceOp.AVG needs a floating-point tensor"),
+    "bad_splits": ("ValueError", "input_split_sizes [1, 1] must have 2 non-negative entries that sum to the input's 4 rows"),
+    "send_to_self": ("ValueError", "a rank cannot isend to itself"),
+    "list_length": ("ValueError", "tensor_list has 1 tensors but the group has 2 ranks"),
+    "not_a_tensor": ("TypeError", "tensor must be a torch.Tensor, got list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_a_clear_error(spmd_world, case):
+    kind, text = CASES[case]
+    for message in spmd_world(2, "gloo").run(helpers.expect_error, case):
+        assert message.startswith(kind), message
+        assert text in message, message
+
+
+def test_call_before_init_says_what_to_do():
+    assert not spmd.is_initialized()
+    with pytest.raises(spmd.NotInitializedError, match=r"call spmd.init\(\)"):
+        spmd.all_reduce(torch.ones(1))
+
+
+def test_unknown_backend_at_init():
+    with pytest.raises(spmd.BackendNotFoundError, match="unknown backend 'nope'; installed backends: .*gloo"):
+        spmd.init("nope", rank=0, world_size=1, store=torch.distributed.HashStore())
+    assert not spmd.is_initialized()
+
+
+def test_bad_rank_at_init():
+    with pytest.raises(ValueError, match="rank 3 is out of range for world size 2"):
+        spmd.init("gloo", rank=3, world_size=2, store=torch.distributed.HashStore())
+
+
+def test_bad_backend_string():
+    with pytest.raises(ValueError, match="bad backend string"):
+        spmd.init("cpu:", rank=0, world_size=1, store=torch.distributed.HashStore())
+
+
+def test_missing_device_backend_is_named():
+    spmd.init({"cpu": "gloo"}, rank=0, world_size=1, store=torch.distributed.HashStore())
+    try:
+        with pytest.raises(spmd.BackendUnavailableError, match="no backend for 'meta' tensors"):
+            spmd.all_reduce(torch.ones(1, device="meta"))
+    finally:
+        spmd.destroy_process_group()
+
+
+def test_a_rank_that_never_arrives_is_a_timeout_error(spmd_world):
+    results = spmd_world(2, "gloo").run(helpers.skip_a_collective, 1.5)
+    elapsed, message = results[0].split("|", 1)
+    assert 1.4 <= float(elapsed) < 3.5, elapsed
+    assert "all_reduce on group 'group" in message and "ranks [0, 1]" in message
+    assert "did not complete within 1.5 s" in message
+    assert results[1] == "skipped"
+
+
+def test_a_rank_missing_from_the_first_collective_is_a_named_timeout(spmd_world):
+    message = spmd_world(2, "gloo").run(helpers.never_meet, 1.0)[0]
+    assert "could not be created for 'cpu' on group 'group" in message
+    assert "Not every rank of the group reached its first collective" in message

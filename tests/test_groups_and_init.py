@@ -1,0 +1,99 @@
+"""init from every source, groups, async overlap."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import helpers
+import spmd
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, spmd
+    spmd.init("gloo", init_method=sys.argv[1] if len(sys.argv) > 1 else None, timeout=30)
+    t = torch.tensor([float(spmd.get_rank() + 1)])
+    spmd.all_reduce(t)
+    print(f"rank={spmd.get_rank()} world={spmd.get_world_size()} sum={t.item():.0f}")
+    spmd.destroy_process_group()
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, env_for_rank, args=()):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    procs = [
+        subprocess.Popen([sys.executable, str(script), *args], env={**os.environ, **env_for_rank(r)}, stdout=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    return sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+
+
+def test_env_init_reads_torchrun_variables(tmp_path):
+    port = _free_port()
+    out = _launch(tmp_path, lambda r: {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert out == ["rank=0 world=2 sum=3", "rank=1 world=2 sum=3"]
+
+
+def test_tcp_init_method(tmp_path):
+    port = _free_port()
+    script = tmp_path / "tcp.py"
+    script.write_text(SCRIPT.replace('init_method=sys.argv[1] if len(sys.argv) > 1 else None', 'init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2'))
+    procs = [subprocess.Popen([sys.executable, str(script), f"tcp://127.0.0.1:{port}", str(r)], stdout=subprocess.PIPE, text=True) for r in range(2)]
+    assert sorted(p.communicate(timeout=60)[0].strip() for p in procs) == ["rank=0 world=2 sum=3", "rank=1 world=2 sum=3"]
+
+
+def test_file_init_method(tmp_path):
+    script = tmp_path / "file.py"
+    script.write_text(SCRIPT.replace('init_method=sys.argv[1] if len(sys.argv) > 1 else None', 'init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2'))
+    url = f"file://{tmp_path / 'rendezvous'}"
+    procs = [subprocess.Popen([sys.executable, str(script), url, str(r)], stdout=subprocess.PIPE, text=True) for r in range(2)]
+    assert sorted(p.communicate(timeout=60)[0].strip() for p in procs) == ["rank=0 world=2 sum=3", "rank=1 world=2 sum=3"]
+
+
+def test_plain_python_is_a_world_of_one():
+    spmd.init("gloo")
+    try:
+        assert (spmd.get_rank(), spmd.get_world_size()) == (0, 1)
+        t = torch.ones(3)
+        spmd.all_reduce(t, op=spmd.ReduceOp.AVG)
+        assert t.tolist() == [1.0, 1.0, 1.0]
+        assert spmd.get_backend() == "gloo"
+    finally:
+        spmd.destroy_process_group()
+    assert not spmd.is_initialized()
+
+
+def test_init_twice_is_an_error():
+    spmd.init("gloo")
+    try:
+        try:
+            spmd.init("gloo")
+        except spmd.SpmdError as error:
+            assert "already initialised" in str(error)
+        else:
+            raise AssertionError("second init did not fail")
+    finally:
+        spmd.destroy_process_group()
+
+
+def test_new_group_and_split_group_ranks(spmd_world):
+    results = spmd_world(4, "gloo").run(helpers.subgroup_ranks)
+    assert [r[0] for r in results] == [-1, 0, 1, -1]
+    assert [r[1] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r[2] for r in results] == [0, 0, 2, 2]
+
+
+def test_many_async_ops_in_flight(spmd_world):
+    for values in spmd_world(2, "gloo").run(helpers.async_overlap):
+        assert values == [1.0 + 2 * k for k in range(5)]

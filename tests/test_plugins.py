@@ -1,0 +1,155 @@
+"""The plugin manager: builtins, entry points, broken plugins, conflicts, environment switches."""
+
+import importlib.metadata
+import sys
+import types
+
+import pytest
+
+import spmd
+from spmd import plugins
+from spmd.comm import registry
+from spmd.hookspecs import HOOK_NAMES
+
+
+@pytest.fixture(autouse=True)
+def fresh_manager(monkeypatch):
+    for var in (plugins.ENV_BLOCK, plugins.ENV_DISABLE_AUTOLOAD, plugins.ENV_ENABLE):
+        monkeypatch.delenv(var, raising=False)
+    plugins.reset()
+    yield
+    plugins.reset()
+
+
+def test_manager_loads_builtins_then_entry_points_once():
+    pm = plugins.manager()
+    assert pm is plugins.manager()
+    names = list(pm.infos)
+    assert names[0] == "spmd.launch.environments"
+    assert "gloo" in names
+    assert pm.infos["gloo"].distribution == "spmd-gloo"
+    assert pm.infos["gloo"].loaded
+
+
+def test_broken_plugin_is_reported_and_the_rest_keeps_working(monkeypatch):
+    real = importlib.metadata.entry_points
+
+    def with_broken(**kwargs):
+        eps = list(real(**kwargs))
+        if kwargs.get("group") == "spmd":
+            eps.append(importlib.metadata.EntryPoint("broken", "spmd_no_such_module", "spmd"))
+        return eps
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", with_broken)
+    with pytest.warns(UserWarning, match="'broken'.*failed to load"):
+        pm = plugins.manager()
+    assert not pm.infos["broken"].loaded
+    assert "spmd_no_such_module" in pm.infos["broken"].error
+    assert "gloo" in registry.backends().names()
+    with pytest.raises(spmd.BackendNotFoundError, match="'broken' is installed but failed to load"):
+        registry.backends().get("broken")
+
+
+def _fake_plugin(name, backend_name, overrides=False):
+    module = types.ModuleType(name)
+
+    @spmd.hookimpl
+    def spmd_backends():
+        return [spmd.BackendSpec(backend_name, ("cpu",), factory=lambda ctx: None, overrides=overrides)]
+
+    module.spmd_backends = spmd_backends
+    return module
+
+
+def test_two_plugins_with_one_backend_name_fail_naming_both():
+    pm = plugins.manager()
+    pm.register(_fake_plugin("impostor", "gloo"), name="impostor")
+    with pytest.raises(spmd.PluginConflictError, match="'gloo'.*'impostor'"):
+        registry.build_registry()
+
+
+def test_override_wins_without_conflict():
+    pm = plugins.manager()
+    pm.register(_fake_plugin("better", "gloo", overrides=True), name="better")
+    assert registry.build_registry().get("gloo").plugin == "better"
+
+
+def test_disable_autoload_keeps_only_builtins(monkeypatch):
+    monkeypatch.setenv(plugins.ENV_DISABLE_AUTOLOAD, "1")
+    pm = plugins.manager()
+    assert all(info.builtin for info in pm.infos.values())
+    with pytest.raises(spmd.BackendNotFoundError, match="installed backends: none"):
+        registry.backends().get("gloo")
+
+
+def test_disable_autoload_with_explicit_enable(monkeypatch):
+    monkeypatch.setenv(plugins.ENV_DISABLE_AUTOLOAD, "1")
+    monkeypatch.setenv(plugins.ENV_ENABLE, "gloo")
+    assert registry.backends().names() == ["gloo"]
+
+
+def test_block_named_plugin(monkeypatch):
+    monkeypatch.setenv(plugins.ENV_BLOCK, "gloo")
+    pm = plugins.manager()
+    assert pm.infos["gloo"].blocked
+    assert "gloo" not in registry.backends().names()
+
+
+def test_unknown_backend_lists_installed_and_extra():
+    with pytest.raises(spmd.BackendNotFoundError) as info:
+        registry.backends().get("mpi")
+    message = str(info.value)
+    assert "installed backends: " in message and "gloo" in message
+    assert "pip install 'spmd[mpi]'" in message
+
+
+def test_every_hook_is_documented_with_signature_and_timing():
+    from spmd import hookspecs
+
+    for name in HOOK_NAMES:
+        doc = getattr(hookspecs, name).__doc__
+        assert doc and "Signature:" in doc and "Called:" in doc, name
+    declared = {n for n in dir(hookspecs) if n.startswith("spmd_")}
+    assert declared == set(HOOK_NAMES)
+
+
+def test_kernel_names_no_concrete_backend():
+    """The kernel chooses by declared devices and priorities, never by backend name.
+
+    Identifiers and bare string literals such as ``"gloo"`` count; examples in
+    docstrings and error messages ("e.g. 'cpu:gloo,cuda:nccl'") do not.
+    """
+    import io
+    import pathlib
+    import tokenize
+
+    vendors = {"gloo", "nccl", "mpi", "mpi4py", "ucc", "ucx", "ucxx", "cuda_nccl"}
+    root = pathlib.Path(spmd.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("testing", "launch"):  # test kit and launcher environments
+            continue
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            text = tok.string.lower()
+            if tok.type == tokenize.NAME and text in vendors:
+                offenders.append(f"{rel}:{tok.start[0]}: identifier {tok.string}")
+            if tok.type == tokenize.STRING and text.strip("\"'bfru") in vendors:
+                offenders.append(f"{rel}:{tok.start[0]}: literal {tok.string}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_plugins_command_lists_distribution_version_and_provides():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "spmd", "plugins"], capture_output=True, text=True, check=True).stdout
+    assert "gloo  [plugin] spmd-gloo 0.1.0  loaded" in out
+    assert "backends: gloo (cpu)" in out
+
+
+def test_doctor_shows_usability_and_native_ops():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "spmd", "doctor"], capture_output=True, text=True, check=True).stdout
+    assert "+ gloo [cpu]" in out and "usable" in out
+    assert "native: all_gather_into_tensor, all_reduce" in out

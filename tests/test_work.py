@@ -1,0 +1,62 @@
+"""Work: constructors, timed waits, errors and futures."""
+
+import concurrent.futures
+import threading
+
+import pytest
+import torch
+
+import spmd
+
+
+def test_completed_work():
+    work = spmd.Work.completed(7)
+    assert work.is_completed() and work.wait() and work.result() == 7
+    assert work.exception() is None
+    assert work.get_future().wait() == 7
+
+
+def test_from_concurrent_future_carries_value_and_error():
+    ok: concurrent.futures.Future = concurrent.futures.Future()
+    work = spmd.Work.from_future(ok)
+    assert not work.is_completed()
+    ok.set_result("x")
+    assert work.wait(1) and work.result() == "x"
+
+    bad: concurrent.futures.Future = concurrent.futures.Future()
+    failing = spmd.Work.from_future(bad)
+    bad.set_exception(ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        failing.wait(1)
+    assert isinstance(failing.exception(), ValueError)
+
+
+def test_from_torch_future():
+    fut = torch.futures.Future()
+    work = spmd.Work.from_future(fut)
+    threading.Timer(0.05, lambda: fut.set_result(3)).start()
+    assert work.wait(5) and work.result() == 3
+
+
+def test_wait_honours_timeout_and_names_the_op():
+    work = spmd.Work.from_future(concurrent.futures.Future())
+    work.description = "all_reduce on group 'world' (seq 4)"
+    with pytest.raises(spmd.CollectiveTimeoutError, match=r"all_reduce on group 'world' \(seq 4\) did not complete within 0.1 s"):
+        work.wait(0.1)
+
+
+def test_default_timeout_applies_when_none_given():
+    work = spmd.Work.from_future(concurrent.futures.Future())
+    work.default_timeout = 0.05
+    with pytest.raises(spmd.CollectiveTimeoutError):
+        work.wait()
+
+
+def test_get_future_and_callbacks_fire_once_done():
+    src: concurrent.futures.Future = concurrent.futures.Future()
+    work = spmd.Work.from_future(src)
+    seen = []
+    work.add_done_callback(lambda w: seen.append(w.result()))
+    fut = work.get_future()
+    src.set_result(5)
+    assert fut.wait() == 5 and seen == [5]

@@ -25,6 +25,8 @@ _pool = BufferPool()
 
 # -- validation ----------------------------------------------------------------------
 def _check_tensor(tensor: object, what: str, op: str) -> torch.Tensor:
+    if type(tensor) is torch.Tensor and tensor.layout is torch.strided:
+        return tensor  # the common case, checked in one step
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_sparse:
@@ -73,7 +75,7 @@ class _ThenWork(Work):
         self._ran = threading.Lock()
         self._hooked = False
         self.default_timeout = inner.default_timeout
-        self.description = inner.description
+        self._describe = lambda: inner.description
 
     def _settle(self, _: Work | None = None) -> None:
         if not self._ran.acquire(blocking=False):
@@ -87,16 +89,16 @@ class _ThenWork(Work):
         self._finish(None, error)
 
     def _wait_native(self, timeout: float | None) -> bool:
-        if not self._done.is_set():
+        if not self._is_done:
             if not self.inner._wait_native(timeout):
                 return False
             self._settle()
-        return self._done.wait(timeout)
+        return super()._wait_native(timeout)
 
     def is_completed(self) -> bool:
-        if not self._done.is_set() and self.inner.is_completed():
+        if not self._is_done and self.inner.is_completed():
             self._settle()
-        return self._done.is_set()
+        return self._is_done
 
     def add_done_callback(self, callback: Callable[[Work], None]) -> None:
         if not self._hooked:
@@ -118,8 +120,8 @@ def _complete(
     async_op: bool,
     after: Callable[[], None] | None = None,
 ) -> Work | None:
-    work.default_timeout = group.timeout.total_seconds()
-    work.description = _describe(group, op, seq)
+    work.default_timeout = group.timeout_s
+    work._describe = lambda: _describe(group, op, seq)  # formatted only if an error needs it
     if async_op:
         return work if after is None else _then(work, after)
     work.wait()  # the synchronous path waits natively, with no callback hop
@@ -142,6 +144,10 @@ class _Contiguous:
             if copy_in:
                 self.tensor.copy_(tensor)
 
+    @property
+    def staged(self) -> bool:
+        return self._buffer is not None
+
     def write_back(self) -> None:
         if self._buffer is not None:
             self.original.copy_(self.tensor)
@@ -152,12 +158,26 @@ class _Contiguous:
             self._buffer = None
 
 
-def _sequence(*steps: Callable[[], None]) -> Callable[[], None]:
+def _sequence(*steps: Callable[[], None] | None) -> Callable[[], None] | None:
+    """One callable running the given steps in order; None when there is nothing to do."""
+    todo = [step for step in steps if step is not None]
+    if not todo:
+        return None
+    if len(todo) == 1:
+        return todo[0]
+
     def run() -> None:
-        for step in steps:
+        for step in todo:
             step()
 
     return run
+
+
+def _staging_steps(*staged: _Contiguous, write_back: tuple[_Contiguous, ...] = ()) -> list[Callable[[], None]]:
+    """Write-back and release steps for the staged stand-ins only (none on the fast path)."""
+    steps: list[Callable[[], None]] = [s.write_back for s in write_back if s.staged]
+    steps += [s.release for s in staged if s.staged]
+    return steps
 
 
 def _average(tensor: torch.Tensor, size: int) -> Callable[[], None]:
@@ -185,10 +205,8 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Process
     staged = _Contiguous(tensor)
     native = _native_op(backend, op)
     work = backend.all_reduce(staged.tensor, native)
-    steps = []
-    if native is not op:
-        steps.append(_average(staged.tensor, g.size))
-    steps += [staged.write_back, staged.release]
+    steps = [_average(staged.tensor, g.size)] if native is not op else []
+    steps += _staging_steps(staged, write_back=(staged,))
     return _complete(work, g, "all_reduce", seq, async_op, _sequence(*steps))
 
 
@@ -210,12 +228,8 @@ def reduce(
     staged = _Contiguous(tensor)
     native = _native_op(backend, op)
     work = backend.reduce(staged.tensor, root, native)
-    steps = []
-    if g.rank == root:
-        if native is not op:
-            steps.append(_average(staged.tensor, g.size))
-        steps.append(staged.write_back)
-    steps.append(staged.release)
+    steps = [_average(staged.tensor, g.size)] if native is not op and g.rank == root else []
+    steps += _staging_steps(staged, write_back=(staged,) if g.rank == root else ())
     return _complete(work, g, "reduce", seq, async_op, _sequence(*steps))
 
 
@@ -244,10 +258,8 @@ def reduce_scatter_tensor(
     staged_out = _Contiguous(output, copy_in=False)
     native = _native_op(backend, op)
     work = backend.reduce_scatter_tensor(staged_out.tensor, staged_in.tensor, native)
-    steps = []
-    if native is not op:
-        steps.append(_average(staged_out.tensor, g.size))
-    steps += [staged_out.write_back, staged_out.release, staged_in.release]
+    steps = [_average(staged_out.tensor, g.size)] if native is not op else []
+    steps += _staging_steps(staged_out, staged_in, write_back=(staged_out,))
     return _complete(work, g, "reduce_scatter_tensor", seq, async_op, _sequence(*steps))
 
 
@@ -287,7 +299,7 @@ def broadcast(
     seq = g.next_seq()
     staged = _Contiguous(tensor, copy_in=g.rank == root)
     work = backend.broadcast(staged.tensor, root)
-    return _complete(work, g, "broadcast", seq, async_op, _sequence(staged.write_back, staged.release))
+    return _complete(work, g, "broadcast", seq, async_op, _sequence(*_staging_steps(staged, write_back=(staged,))))
 
 
 def all_gather_into_tensor(
@@ -312,7 +324,7 @@ def all_gather_into_tensor(
     staged_in = _Contiguous(input_tensor)
     staged_out = _Contiguous(output_tensor, copy_in=False)
     work = backend.all_gather_into_tensor(staged_out.tensor, staged_in.tensor)
-    after = _sequence(staged_out.write_back, staged_out.release, staged_in.release)
+    after = _sequence(*_staging_steps(staged_out, staged_in, write_back=(staged_out,)))
     return _complete(work, g, "all_gather_into_tensor", seq, async_op, after)
 
 
@@ -404,7 +416,7 @@ def all_to_all_single(
     staged_in = _Contiguous(input)
     staged_out = _Contiguous(output, copy_in=False)
     work = backend.all_to_all_single(staged_out.tensor, staged_in.tensor, out_sizes, in_sizes)
-    after = _sequence(staged_out.write_back, staged_out.release, staged_in.release)
+    after = _sequence(*_staging_steps(staged_out, staged_in, write_back=(staged_out,)))
     return _complete(work, g, "all_to_all_single", seq, async_op, after)
 
 
@@ -506,7 +518,7 @@ def scatter(
     seq = g.next_seq()
     staged = _Contiguous(tensor, copy_in=False)
     work = backend.scatter(staged.tensor, packed, root)
-    return _complete(work, g, "scatter", seq, async_op, _sequence(staged.write_back, staged.release))
+    return _complete(work, g, "scatter", seq, async_op, _sequence(*_staging_steps(staged, write_back=(staged,))))
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids: object = None) -> Work | None:

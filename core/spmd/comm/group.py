@@ -40,6 +40,7 @@ class ProcessGroup:
         self.size = len(self.ranks)
         self.rank = self.ranks.index(global_rank)
         self.timeout = timeout
+        self.timeout_s = timeout.total_seconds()
         self.backend_map = dict(backend_map) if backend_map is not None else None
         self.options = dict(options or {})
         self.parent = parent
@@ -95,7 +96,8 @@ class ProcessGroup:
         return backend
 
     def backend_for(self, tensor: torch.Tensor) -> Backend:
-        return self.backend(tensor.device.type)
+        backend = self._backends.get(tensor.device.type)
+        return backend if backend is not None else self.backend(tensor.device.type)
 
     def _create_backend(self, device_type: str) -> Backend:
         entry = backends().get(self.backend_name(device_type))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import urllib.parse
@@ -123,7 +124,14 @@ def init_process_group(
 
     world = ProcessGroup(group_name, range(world_size), rank, store, timeout, backend_map, pg_options)
     state.set_state(state.WorldState(world=world, store=store, groups={group_name: world}))
+    atexit.register(_close_at_exit)
     return world
+
+
+def _close_at_exit() -> None:
+    """Close backends before the interpreter tears down (native threads abort otherwise)."""
+    if state.is_initialized():
+        destroy_process_group()
 
 
 #: The short name spmd recommends; identical to ``init_process_group``.

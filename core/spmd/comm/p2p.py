@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from spmd.comm.backend import COLLECTIVE_TAG_BASE
-from spmd.comm.collectives import _check_tensor, _complete, _Contiguous, _root, _sequence
+from spmd.comm.collectives import _check_tensor, _complete, _Contiguous, _root, _sequence, _staging_steps
 from spmd.comm.group import ProcessGroup
 from spmd.comm.state import resolve_group
 from spmd.comm.work import Work, WorkList
@@ -34,7 +34,7 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | No
     peer = _peer(g, dst, group_dst, "dst", "isend")
     staged = _Contiguous(tensor)
     work = g.backend_for(tensor).isend(staged.tensor, peer, tag)
-    result = _complete(work, g, f"isend to rank {g.ranks[peer]} (tag {tag})", -1, True, staged.release)
+    result = _complete(work, g, f"isend to rank {g.ranks[peer]} (tag {tag})", -1, True, _sequence(*_staging_steps(staged)))
     assert result is not None
     return result
 
@@ -49,7 +49,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | No
     peer = _peer(g, src, group_src, "src", "irecv")
     staged = _Contiguous(tensor, copy_in=False)
     work = g.backend_for(tensor).irecv(staged.tensor, peer, tag)
-    after = _sequence(staged.write_back, staged.release)
+    after = _sequence(*_staging_steps(staged, write_back=(staged,)))
     result = _complete(work, g, f"irecv from rank {g.ranks[peer]} (tag {tag})", -1, True, after)
     assert result is not None
     return result

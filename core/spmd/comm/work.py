@@ -14,12 +14,26 @@ from spmd.errors import CollectiveError, CollectiveTimeoutError
 
 Timeout = float | timedelta | None
 
+#: Guards every Work's completion against concurrent callback registration (held for nanoseconds).
+_STATE_LOCK = threading.Lock()
+
 
 def seconds(timeout: Timeout) -> float | None:
     """Normalise a timeout given as seconds or a timedelta; None means no limit."""
     if isinstance(timeout, timedelta):
         return timeout.total_seconds()
     return timeout
+
+
+def timeout_error(description: str, limit: float | None, detail: str = "") -> CollectiveTimeoutError:
+    """The error for an operation that outlived its timeout (kernel- or backend-detected)."""
+    within = f"within {limit:.1f} s" if limit is not None else "in time"
+    suffix = f" ({detail})" if detail else ""
+    return CollectiveTimeoutError(
+        f"{description} did not complete {within}{suffix}. A peer rank may have skipped this "
+        "call, died, or be stuck elsewhere; check that every rank of the group reaches the "
+        "same collectives in the same order, or raise the timeout (spmd.init(timeout=...))"
+    )
 
 
 class Work:
@@ -36,15 +50,28 @@ class Work:
 
     #: Set by the kernel: the timeout ``wait()`` uses when called without one.
     default_timeout: float | None = None
-    #: Set by the kernel: what this Work is, for error messages ("all_reduce on group 'world' #12").
-    description: str = "operation"
+    _description: str = "operation"
+    _describe: Callable[[], str] | None = None
+
+    @property
+    def description(self) -> str:
+        """What this Work is, for error messages ("all_reduce on group 'world' (seq 12, ...)")."""
+        if self._describe is not None:
+            return self._describe()
+        return self._description
+
+    @description.setter
+    def description(self, text: str) -> None:
+        self._description, self._describe = text, None
 
     def __init__(self) -> None:
-        self._done = threading.Event()
+        # The event and callback list are created only when someone needs them:
+        # a synchronous collective then costs no lock or condition allocation.
+        self._is_done = False
+        self._event: threading.Event | None = None
         self._value: Any = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[[Work], None]] = []
-        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[Work], None]] | None = None
 
     # -- constructors -------------------------------------------------------------
     @classmethod
@@ -88,18 +115,28 @@ class Work:
 
     # -- completion (for subclasses and the kernel) ------------------------------
     def _finish(self, value: Any, error: BaseException | None) -> None:
-        with self._lock:
-            if self._done.is_set():
+        with _STATE_LOCK:
+            if self._is_done:
                 return
             self._value, self._error = value, error
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
+            self._is_done = True
+            event, callbacks, self._callbacks = self._event, self._callbacks, None
+        if event is not None:
+            event.set()
+        for callback in callbacks or ():
             callback(self)
 
     def _wait_native(self, timeout: float | None) -> bool:
         """Block until done or ``timeout`` seconds pass; return whether it finished."""
-        return self._done.wait(timeout)
+        if self._is_done:
+            return True
+        with _STATE_LOCK:
+            if self._is_done:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     # -- public API ---------------------------------------------------------------
     def wait(self, timeout: Timeout = None) -> bool:
@@ -112,23 +149,18 @@ class Work:
         if limit is None:
             limit = self.default_timeout
         if not self._wait_native(limit):
-            raise CollectiveTimeoutError(
-                f"{self.description} did not complete within {limit:.1f} s. A peer rank may "
-                "have skipped this call, died, or be stuck elsewhere; check that every rank "
-                "of the group reaches the same collectives in the same order, or raise the "
-                "timeout (spmd.init(timeout=...))"
-            )
+            raise timeout_error(self.description, limit)
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
         """True once the operation finished, successfully or not."""
-        return self._done.is_set()
+        return self._is_done
 
     def is_success(self) -> bool:
         """True once the operation finished without an error."""
-        return self._done.is_set() and self._error is None
+        return self.is_completed() and self._error is None
 
     def exception(self) -> BaseException | None:
         """The error the operation failed with, or None (also None while it runs)."""
@@ -141,8 +173,10 @@ class Work:
 
     def add_done_callback(self, callback: Callable[[Work], None]) -> None:
         """Call ``callback(work)`` once the operation finishes (at once if it has)."""
-        with self._lock:
-            if not self._done.is_set():
+        with _STATE_LOCK:
+            if not self._is_done:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(callback)
                 return
         callback(self)

@@ -19,7 +19,7 @@ import torch.distributed as tdist
 
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.work import Work
+from spmd.comm.work import Work, timeout_error
 from spmd.errors import CollectiveError
 
 _GLOO_REDUCE_DTYPES = frozenset(
@@ -36,12 +36,23 @@ _GLOO_OPS = {
 }
 
 
+def _allreduce_options(op: tdist.ReduceOp) -> tdist.AllreduceOptions:
+    opts = tdist.AllreduceOptions()
+    opts.reduceOp = op
+    return opts
+
+
+#: Built once: creating options objects per call is measurable at 4-byte sizes.
+_ALLREDUCE_OPTIONS = {op: _allreduce_options(native) for op, native in _GLOO_OPS.items()}
+
+
 class GlooWork(Work):
     """A Work over a c10d Work: waits natively (with Gloo's timed wait), completes lazily."""
 
-    def __init__(self, native: tdist.Work, keep_alive: object = None) -> None:
+    def __init__(self, native: tdist.Work, group_timeout: float, keep_alive: object = None) -> None:
         super().__init__()
         self._native = native
+        self._group_timeout = group_timeout
         self._keep_alive = keep_alive  # views whose storage Gloo reads or writes
         self._hooked = False
 
@@ -52,30 +63,37 @@ class GlooWork(Work):
             else:
                 self._native.wait()
         except RuntimeError as error:
-            self._finish(None, CollectiveError(f"{self.description} failed in Gloo: {error}"))
+            self._finish(None, self._error_from(error))
         else:
             self._finish(None, None)
 
+    def _error_from(self, error: RuntimeError) -> Exception:
+        text = str(error)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            return timeout_error(self.description, self._group_timeout, f"Gloo: {text.splitlines()[0]}")
+        return CollectiveError(f"{self.description} failed in Gloo: {text}")
+
     def _wait_native(self, timeout: float | None) -> bool:
-        if self._done.is_set():
+        if self._is_done:
             return True
         try:
-            if timeout is None:
+            if timeout is None or timeout >= self._group_timeout:
+                # Gloo enforces the group timeout itself, so the untimed wait is bounded too.
                 self._native.wait()
             else:
                 self._native.wait(timedelta(seconds=timeout))
         except RuntimeError as error:
-            if "timed out" in str(error).lower() and not self._native.is_completed():
-                return False
-            self._finish(None, CollectiveError(f"{self.description} failed in Gloo: {error}"))
+            if "operation timed out" in str(error).lower() and not self._native.is_completed():
+                return False  # our shorter timed wait expired; the op itself may still finish
+            self._finish(None, self._error_from(error))
             return True
         self._finish(None, None)
         return True
 
     def is_completed(self) -> bool:
-        if not self._done.is_set() and self._native.is_completed():
+        if not self._is_done and self._native.is_completed():
             self._settle()
-        return self._done.is_set()
+        return self._is_done
 
     def add_done_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
         if not self._hooked:
@@ -108,9 +126,10 @@ class GlooBackend(Backend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         self.pg = tdist.ProcessGroupGloo(ctx.store, ctx.rank, ctx.size, ctx.timeout)
+        self._timeout_s = ctx.timeout.total_seconds()
 
     def _wrap(self, native: tdist.Work, keep_alive: object = None) -> Work:
-        return GlooWork(native, keep_alive)
+        return GlooWork(native, self._timeout_s, keep_alive)
 
     @staticmethod
     def _native_reduce(tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor | None:
@@ -135,9 +154,7 @@ class GlooBackend(Backend):
         native = self._native_reduce(tensor, op)
         if native is None or tensor.numel() == 0:
             return super().all_reduce(tensor, op)
-        opts = tdist.AllreduceOptions()
-        opts.reduceOp = _GLOO_OPS[op]
-        return self._wrap(self.pg.allreduce([native], opts), native)
+        return self._wrap(self.pg.allreduce([native], _ALLREDUCE_OPTIONS[op]), native)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
         native = self._native_reduce(tensor, op)

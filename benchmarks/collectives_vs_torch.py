@@ -1,0 +1,147 @@
+"""spmd-gloo against raw torch ProcessGroupGloo: same op, same sizes, alternated in one run.
+
+    python benchmarks/collectives_vs_torch.py                  # 2 ranks, 4 B .. 64 MiB
+    python benchmarks/collectives_vs_torch.py --ops all_reduce --max-bytes 4194304
+
+Both sides use one store and preallocated, reused buffers. For each op and
+size the two alternate call by call (spmd, raw, raw, spmd, ...) so machine
+noise hits both alike; the table shows the median per-call time of
+each and the ratio spmd/raw (below 1.0: spmd faster). Size is the bytes of
+the per-rank tensor for all_reduce and broadcast, of the output for
+all_gather_into_tensor, and of the input for reduce_scatter_tensor and
+all_to_all_single.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single")
+
+
+def sizes(max_bytes: int) -> list[int]:
+    out, size = [], 4
+    while size <= max_bytes:
+        out.append(size)
+        size *= 16 if size < 256 << 10 else 4
+    return out
+
+
+def calls(op: str, nbytes: int, world: int, pg: tdist.ProcessGroupGloo):
+    """(spmd call, raw call) closures over preallocated buffers of ``nbytes``."""
+    import spmd
+
+    n = max(nbytes // 4, 1)
+    if op == "all_reduce":
+        a, b = torch.ones(n), torch.ones(n)
+        return (lambda: spmd.all_reduce(a)), (lambda: pg.allreduce([b]).wait())
+    if op == "broadcast":
+        a, b = torch.ones(n), torch.ones(n)
+        opts = tdist.BroadcastOptions()
+        return (lambda: spmd.broadcast(a, src=0)), (lambda: pg.broadcast([b], opts).wait())
+    if op == "all_gather_into_tensor":
+        per = max(n // world, 1)
+        ia, oa, ib, ob = torch.ones(per), torch.empty(per * world), torch.ones(per), torch.empty(per * world)
+        return (lambda: spmd.all_gather_into_tensor(oa, ia)), (lambda: pg._allgather_base(ob, ib).wait())
+    if op == "reduce_scatter_tensor":
+        per = max(n // world, 1)
+        ia, oa, ib, ob = torch.ones(per * world), torch.empty(per), torch.ones(per * world), torch.empty(per)
+        return (lambda: spmd.reduce_scatter_tensor(oa, ia)), (lambda: pg._reduce_scatter_base(ob, ib).wait())
+    if op == "all_to_all_single":
+        per = max(n // world, 1)
+        ia, oa, ib, ob = torch.ones(per * world), torch.empty(per * world), torch.ones(per * world), torch.empty(per * world)
+        opts = tdist.AllToAllOptions()
+        return (lambda: spmd.all_to_all_single(oa, ia)), (lambda: pg.alltoall_base(ob, ib, [], [], opts).wait())
+    raise ValueError(op)
+
+
+def iterations(nbytes: int) -> int:
+    return max(3, min(200, (8 << 20) // max(nbytes, 1)))
+
+
+def time_interleaved(ours, raw, iters: int, barrier) -> tuple[list[float], list[float]]:
+    """Per-call times of both sides, alternating call by call so drift hits both alike."""
+    t_ours, t_raw = [], []
+    barrier()
+    for i in range(iters):
+        first, second, first_log, second_log = (ours, raw, t_ours, t_raw) if i % 2 == 0 else (raw, ours, t_raw, t_ours)
+        start = time.perf_counter()
+        first()
+        mid = time.perf_counter()
+        second()
+        end = time.perf_counter()
+        first_log.append(mid - start)
+        second_log.append(end - mid)
+    return t_ours, t_raw
+
+
+def worker(args: argparse.Namespace) -> None:
+    import spmd
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
+    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=120)
+    pg = tdist.ProcessGroupGloo(tdist.PrefixStore("raw/", store), rank, world, timedelta(seconds=120))
+    barrier = lambda: pg.barrier().wait()  # noqa: E731 - the same barrier for both sides
+    results = []
+    for op in args.ops:
+        for nbytes in sizes(args.max_bytes):
+            ours, raw = calls(op, nbytes, world, pg)
+            iters = iterations(nbytes)
+            ours(), raw()  # warm-up: connections, staging buffers, page faults
+            t_ours, t_raw = time_interleaved(ours, raw, iters * args.rounds, barrier)
+            med_ours, med_raw = statistics.median(t_ours), statistics.median(t_raw)
+            results.append({"op": op, "bytes": nbytes, "spmd_s": med_ours, "raw_s": med_raw, "ratio": med_ours / med_raw})
+            if rank == 0 and not args.json:
+                r = results[-1]
+                print(f"{op:24s} {human(nbytes):>8s} {r['spmd_s'] * 1e6:12.1f} {r['raw_s'] * 1e6:12.1f} {r['ratio']:8.3f}", flush=True)
+    if rank == 0 and args.json:
+        print(json.dumps(results, indent=1))
+    spmd.destroy_process_group()
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n} {unit}"
+        n //= 1024
+    return f"{n} GiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--ops", type=lambda s: s.split(","), default=list(OPS))
+    parser.add_argument("--max-bytes", type=int, default=64 << 20)
+    parser.add_argument("--rounds", type=int, default=3, help="multiplies the calls per size; the median call is reported")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if not args.json:
+        print(f"{args.world_size} ranks, Gloo; median per call, spmd and raw alternating call by call; ratio = spmd / raw")
+        print(f"{'op':24s} {'size':>8s} {'spmd us':>12s} {'raw us':>12s} {'ratio':>8s}")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.world_size), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env={**env, "RANK": str(r)}) for r in range(args.world_size)]
+    codes = [p.wait() for p in procs]
+    sys.exit(max(codes))
+
+
+if __name__ == "__main__":
+    main()

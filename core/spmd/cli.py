@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from spmd.plugins import PluginInfo, manager
 
@@ -38,7 +39,7 @@ def _provides(info: PluginInfo) -> dict[str, list[str]]:
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     infos = list(manager().infos.values())
-    rows = []
+    rows: list[dict[str, Any]] = []
     for info in infos:
         status = "blocked" if info.blocked else ("BROKEN" if info.error else "loaded")
         rows.append({

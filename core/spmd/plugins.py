@@ -16,6 +16,7 @@ else keeps working.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import os
@@ -126,7 +127,7 @@ def _load_all() -> PluginManager:
             builtin=True,
             blocked=module_name in blocked,
         )
-        _register(pm, info, lambda m=module_name: importlib.import_module(m))
+        _register(pm, info, functools.partial(importlib.import_module, module_name))
 
     autoload = os.environ.get(ENV_DISABLE_AUTOLOAD, "").lower() not in ("1", "true", "yes")
     enabled = _names(ENV_ENABLE)

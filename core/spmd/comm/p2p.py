@@ -8,7 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from spmd.comm.backend import COLLECTIVE_TAG_BASE
-from spmd.comm.collectives import _check_tensor, _complete, _Contiguous, _root, _sequence, _staging_steps
+from spmd.comm.collectives import (
+    _check_tensor,
+    _complete,
+    _Contiguous,
+    _root,
+    _sequence,
+    _staging_steps,
+)
 from spmd.comm.group import ProcessGroup
 from spmd.comm.state import resolve_group
 from spmd.comm.work import Work, WorkList

@@ -11,8 +11,8 @@ the ranks that never finished.
 from __future__ import annotations
 
 import os
-import secrets
 import pickle
+import secrets
 import subprocess
 import sys
 import threading
@@ -115,7 +115,7 @@ class World:
     def _collect(self, ranks: list[int], deadline: float, what: str) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        pending = {self._conns[r]: r for r in ranks}
+        pending: dict[Any, int] = {self._conns[r]: r for r in ranks}
         while pending:
             now = time.monotonic()
             if errors:
@@ -123,9 +123,9 @@ class World:
             if now >= deadline:
                 break
             for conn in wait(list(pending), timeout=deadline - now):
-                rank = pending.pop(conn)  # type: ignore[call-overload]
+                rank = pending.pop(conn)
                 try:
-                    status, payload = conn.recv()
+                    status, payload = conn.recv()  # type: ignore[union-attr,call-arg]
                 except (EOFError, OSError):
                     code = self._procs[rank].poll()
                     errors[rank] = f"worker process exited (code {code}) without reporting"
@@ -133,7 +133,7 @@ class World:
                 if status == "ok":
                     results[rank] = payload
                 else:
-                    errors[rank] = payload
+                    errors[rank] = str(payload)
         if pending or errors:
             stuck = sorted(pending.values())
             self.kill()

@@ -6,7 +6,9 @@
 Both sides use one store and preallocated, reused buffers. For each op and
 size the two alternate call by call (spmd, raw, raw, spmd, ...) so machine
 noise hits both alike; the table shows the median per-call time of
-each and the ratio spmd/raw (below 1.0: spmd faster). Size is the bytes of
+each, the ratio spmd/raw (below 1.0: spmd faster), and raw2/raw: a second,
+identical raw Gloo group against the first, which shows how far two equal
+things differ on this machine (the noise floor of the ratio). Size is the bytes of
 the per-rank tensor for all_reduce and broadcast, of the output for
 all_gather_into_tensor, and of the input for reduce_scatter_tensor and
 all_to_all_single.
@@ -84,20 +86,18 @@ def iterations(nbytes: int) -> int:
     return max(3, min(200, (8 << 20) // max(nbytes, 1)))
 
 
-def time_interleaved(ours, raw, iters: int, barrier) -> tuple[list[float], list[float]]:
-    """Per-call times of both sides, alternating call by call so drift hits both alike."""
-    t_ours, t_raw = [], []
+def time_interleaved(sides, iters: int, barrier) -> list[list[float]]:
+    """Per-call times of every side, rotating the order call by call so drift and
+    position effects (the call right after another is measurably slower) hit all alike."""
+    logs: list[list[float]] = [[] for _ in sides]
     barrier()
     for i in range(iters):
-        first, second, first_log, second_log = (ours, raw, t_ours, t_raw) if i % 2 == 0 else (raw, ours, t_raw, t_ours)
-        start = time.perf_counter()
-        first()
-        mid = time.perf_counter()
-        second()
-        end = time.perf_counter()
-        first_log.append(mid - start)
-        second_log.append(end - mid)
-    return t_ours, t_raw
+        for k in range(len(sides)):
+            j = (i + k) % len(sides)
+            start = time.perf_counter()
+            sides[j]()
+            logs[j].append(time.perf_counter() - start)
+    return logs
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -108,19 +108,24 @@ def worker(args: argparse.Namespace) -> None:
     store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
     spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=120)
     pg = tdist.ProcessGroupGloo(tdist.PrefixStore("raw/", store), rank, world, timedelta(seconds=120))
+    # A second raw group: raw2/raw shows the noise floor (two identical Gloo groups differ too).
+    pg2 = tdist.ProcessGroupGloo(tdist.PrefixStore("raw2/", store), rank, world, timedelta(seconds=120))
     barrier = lambda: pg.barrier().wait()  # noqa: E731 - the same barrier for both sides
     results = []
     for op in args.ops:
         for nbytes in sizes(args.max_bytes):
             ours, raw = calls(op, nbytes, world, pg)
-            iters = iterations(nbytes)
-            ours(), raw()  # warm-up: connections, staging buffers, page faults
-            t_ours, t_raw = time_interleaved(ours, raw, iters * args.rounds, barrier)
-            med_ours, med_raw = statistics.median(t_ours), statistics.median(t_raw)
-            results.append({"op": op, "bytes": nbytes, "spmd_s": med_ours, "raw_s": med_raw, "ratio": med_ours / med_raw})
+            _, control = calls(op, nbytes, world, pg2)
+            sides = [ours, raw, control]
+            for side in sides:
+                side()  # warm-up: connections, staging buffers, page faults
+            t_ours, t_raw, t_ctl = time_interleaved(sides, iterations(nbytes) * args.rounds, barrier)
+            med_ours, med_raw, med_ctl = (statistics.median(t) for t in (t_ours, t_raw, t_ctl))
+            results.append({"op": op, "bytes": nbytes, "spmd_s": med_ours, "raw_s": med_raw, "ratio": med_ours / med_raw,
+                            "control_ratio": med_ctl / med_raw})
             if rank == 0 and not args.json:
                 r = results[-1]
-                print(f"{op:24s} {human(nbytes):>8s} {r['spmd_s'] * 1e6:12.1f} {r['raw_s'] * 1e6:12.1f} {r['ratio']:8.3f}", flush=True)
+                print(f"{op:24s} {human(nbytes):>8s} {r['spmd_s'] * 1e6:12.1f} {r['raw_s'] * 1e6:12.1f} {r['ratio']:8.3f} {r['control_ratio']:9.3f}", flush=True)
     if rank == 0 and args.json:
         print(json.dumps(results, indent=1))
     spmd.destroy_process_group()
@@ -149,8 +154,8 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     if not args.json:
-        print(f"{args.world_size} ranks, Gloo; median per call, spmd and raw alternating call by call; ratio = spmd / raw")
-        print(f"{'op':24s} {'size':>8s} {'spmd us':>12s} {'raw us':>12s} {'ratio':>8s}")
+        print(f"{args.world_size} ranks, Gloo; median per call, spmd and raw alternating call by call; ratio = spmd / raw; raw2/raw = control")
+        print(f"{'op':24s} {'size':>8s} {'spmd us':>12s} {'raw us':>12s} {'ratio':>8s} {'raw2/raw':>9s}")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.world_size), "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env={**env, "RANK": str(r)}) for r in range(args.world_size)]
     codes = [p.wait() for p in procs]

@@ -37,7 +37,7 @@ def _check_tensor(tensor: object, what: str, op: str) -> torch.Tensor:
 def _check_same(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
     if a.dtype != b.dtype:
         raise TypeError(f"{op}: output dtype {a.dtype} differs from input dtype {b.dtype}; use one dtype")
-    if a.device != b.device:
+    if a.get_device() != b.get_device():  # cheaper than comparing torch.device objects
         raise ValueError(f"{op}: output is on {a.device} but input is on {b.device}; put both on one device")
 
 
@@ -120,6 +120,7 @@ def _complete(
     async_op: bool,
     after: Callable[[], None] | None = None,
 ) -> Work | None:
+    """Attach timeout and description to ``work``; wait for it unless ``async_op``."""
     work.default_timeout = group.timeout_s
     work._describe = lambda: _describe(group, op, seq)  # formatted only if an error needs it
     if async_op:
@@ -202,8 +203,10 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Process
     check_reduce_op(op, tensor.dtype)
     backend = g.backend_for(tensor)
     seq = g.next_seq()
-    staged = _Contiguous(tensor)
     native = _native_op(backend, op)
+    if native is op and tensor.is_contiguous():  # the fast path: nothing to stage or finish
+        return _complete(backend.all_reduce(tensor, op), g, "all_reduce", seq, async_op)
+    staged = _Contiguous(tensor)
     work = backend.all_reduce(staged.tensor, native)
     steps = [_average(staged.tensor, g.size)] if native is not op else []
     steps += _staging_steps(staged, write_back=(staged,))
@@ -254,9 +257,11 @@ def reduce_scatter_tensor(
         )
     backend = g.backend_for(input)
     seq = g.next_seq()
+    native = _native_op(backend, op)
+    if native is op and input.is_contiguous() and output.is_contiguous():
+        return _complete(backend.reduce_scatter_tensor(output, input, op), g, "reduce_scatter_tensor", seq, async_op)
     staged_in = _Contiguous(input)
     staged_out = _Contiguous(output, copy_in=False)
-    native = _native_op(backend, op)
     work = backend.reduce_scatter_tensor(staged_out.tensor, staged_in.tensor, native)
     steps = [_average(staged_out.tensor, g.size)] if native is not op else []
     steps += _staging_steps(staged_out, staged_in, write_back=(staged_out,))
@@ -297,6 +302,8 @@ def broadcast(
     root = _root(g, src, group_src, "src", "broadcast")
     backend = g.backend_for(tensor)
     seq = g.next_seq()
+    if tensor.is_contiguous():
+        return _complete(backend.broadcast(tensor, root), g, "broadcast", seq, async_op)
     staged = _Contiguous(tensor, copy_in=g.rank == root)
     work = backend.broadcast(staged.tensor, root)
     return _complete(work, g, "broadcast", seq, async_op, _sequence(*_staging_steps(staged, write_back=(staged,))))
@@ -321,6 +328,8 @@ def all_gather_into_tensor(
         )
     backend = g.backend_for(input_tensor)
     seq = g.next_seq()
+    if input_tensor.is_contiguous() and output_tensor.is_contiguous():
+        return _complete(backend.all_gather_into_tensor(output_tensor, input_tensor), g, "all_gather_into_tensor", seq, async_op)
     staged_in = _Contiguous(input_tensor)
     staged_out = _Contiguous(output_tensor, copy_in=False)
     work = backend.all_gather_into_tensor(staged_out.tensor, staged_in.tensor)
@@ -413,6 +422,8 @@ def all_to_all_single(
         )
     backend = g.backend_for(input)
     seq = g.next_seq()
+    if input.is_contiguous() and output.is_contiguous():
+        return _complete(backend.all_to_all_single(output, input, out_sizes, in_sizes), g, "all_to_all_single", seq, async_op)
     staged_in = _Contiguous(input)
     staged_out = _Contiguous(output, copy_in=False)
     work = backend.all_to_all_single(staged_out.tensor, staged_in.tensor, out_sizes, in_sizes)

@@ -107,15 +107,22 @@ class GlooWork(Work):
         super().add_done_callback(callback)
 
 
+#: Dtypes Gloo moves natively; others travel as raw bytes. Native is preferred:
+#: Gloo's byte path measured about 2x slower per call for small messages here.
+_GLOO_DATA_DTYPES = _GLOO_REDUCE_DTYPES
+
+
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's memory (zero-copy)."""
-    return tensor.reshape(-1).view(torch.uint8)
+    """A flat view Gloo can move: the tensor itself, or its bytes (zero-copy either way)."""
+    flat = tensor if tensor.dim() == 1 else tensor.view(-1)  # Gloo checks shapes, so always 1-d
+    return flat if tensor.dtype in _GLOO_DATA_DTYPES else flat.view(torch.uint8)
 
 
 def _rows_as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A (rows, bytes-per-row) uint8 view, so row splits stay row splits."""
+    """A (rows, elements-or-bytes per row) view, so row splits stay row splits."""
     rows = tensor.shape[0] if tensor.dim() else 1
-    return tensor.reshape(rows, -1).view(torch.uint8)
+    shaped = tensor.reshape(rows, -1)
+    return shaped if tensor.dtype in _GLOO_DATA_DTYPES else shaped.view(torch.uint8)
 
 
 class GlooBackend(Backend):

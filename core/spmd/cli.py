@@ -1,4 +1,4 @@
-"""The ``spmd`` command: ``spmd plugins`` and ``spmd doctor`` (``spmd run`` arrives with the launcher)."""
+"""The ``spmd`` command: ``spmd run``, ``spmd plugins``, ``spmd doctor``."""
 
 from __future__ import annotations
 
@@ -89,6 +89,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         generic = [op for op in COLLECTIVE_OPS if op not in native and op != "split"]
         print(f"      native: {', '.join(native) or 'none'}")
         print(f"      generic (kernel algorithms over isend/irecv): {', '.join(generic) or 'none'}")
+    from spmd.launch.environments import detect_launch
+
+    detected = detect_launch()
+    if detected is None:
+        print("launch environment: none detected (plain process: spmd.init() runs a world of one)")
+    else:
+        env_name, launch = detected
+        print(
+            f"launch environment: {env_name} (rank {launch.rank} of {launch.world_size}, local rank "
+            f"{launch.local_rank}, master {launch.master_addr}:{launch.master_port})"
+        )
     for device in backends().device_types():
         try:
             chosen = backends().for_device(device).spec.name
@@ -96,6 +107,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             chosen = f"none ({error})"
         print(f"default for {device}: {chosen}")
     return 0 if ok else 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from spmd.launch import agent
+    from spmd.launch.args import to_config
+
+    return agent.run(to_config(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,6 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     plugins.set_defaults(func=cmd_plugins)
     doctor = sub.add_parser("doctor", help="check that plugins load and backends can run here")
     doctor.set_defaults(func=cmd_doctor)
+    from spmd.launch.args import build_parser
+
+    run = sub.add_parser("run", help="launch a training script on N workers per node (torchrun's flags)")
+    build_parser(run)
+    run.set_defaults(func=cmd_run)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

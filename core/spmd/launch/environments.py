@@ -63,7 +63,11 @@ class TorchrunEnvironment:
 
 
 class MpiEnvironment:
-    """mpiexec of Open MPI, MPICH/Hydra or PMIx; the store master defaults to localhost."""
+    """mpiexec of Open MPI (OMPI_COMM_WORLD_*), MPICH/Hydra and Intel MPI (PMI_*), or PMIx.
+
+    MPI does not name a rendezvous master: MASTER_ADDR/MASTER_PORT if set,
+    else localhost:29500 (right for a single node; multi-node jobs set MASTER_ADDR).
+    """
 
     name = "mpi"
     priority = 50
@@ -102,8 +106,11 @@ class SlurmEnvironment:
         return "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ
 
     def launch_info(self) -> LaunchInfo:
-        host = first_slurm_host(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-        addr, port = _master(host)
+        host = first_slurm_host(os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or "127.0.0.1")
+        addr = os.environ.get("MASTER_ADDR") or host
+        # Every task of the job derives the same port from the job id unless MASTER_PORT is set.
+        job = _env_int("SLURM_JOB_ID") or 0
+        port = int(os.environ.get("MASTER_PORT") or 15000 + job % 20000)
         return LaunchInfo(
             rank=int(os.environ["SLURM_PROCID"]),
             world_size=int(os.environ["SLURM_NTASKS"]),
@@ -113,9 +120,34 @@ class SlurmEnvironment:
         )
 
 
+class KubernetesPyTorchJobEnvironment:
+    """Kubeflow's PyTorchJob without an elastic launcher: one process per pod.
+
+    The operator sets MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK (the pod's
+    index) inside a pod (KUBERNETES_SERVICE_HOST). With ``spmd run`` inside the
+    pod, the launcher's own variables take precedence (higher priority).
+    """
+
+    name = "kubernetes-pytorchjob"
+    priority = 110  # more specific than the plain torchrun variables it shares
+
+    def detect(self) -> bool:
+        return (
+            "KUBERNETES_SERVICE_HOST" in os.environ
+            and "MASTER_ADDR" in os.environ
+            and "RANK" in os.environ
+            and "WORLD_SIZE" in os.environ
+            and "LOCAL_RANK" not in os.environ  # LOCAL_RANK means a launcher ran inside the pod
+        )
+
+    def launch_info(self) -> LaunchInfo:
+        addr, port = _master("127.0.0.1")
+        return LaunchInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), 0, addr, port)
+
+
 @hookimpl
 def spmd_cluster_environments() -> Iterable[object]:
-    return [TorchrunEnvironment(), MpiEnvironment(), SlurmEnvironment()]
+    return [TorchrunEnvironment(), KubernetesPyTorchJobEnvironment(), MpiEnvironment(), SlurmEnvironment()]
 
 
 def detect_launch() -> tuple[str, LaunchInfo] | None:

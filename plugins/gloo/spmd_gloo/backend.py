@@ -10,6 +10,7 @@ dtype it lacks) fall back to the generic algorithms over Gloo send/recv.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
@@ -125,6 +126,23 @@ def _rows_as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return shaped if tensor.dtype in _GLOO_DATA_DTYPES else shaped.view(torch.uint8)
 
 
+def _options(ctx: BackendContext) -> tdist.ProcessGroupGloo._Options:
+    """Gloo options: the group timeout, and the network interface if one is named.
+
+    ``GLOO_SOCKET_IFNAME`` (torch's variable) or the group option ``gloo_interface``
+    picks the interface; otherwise Gloo resolves this host's name, which is
+    wrong inside network namespaces and on multi-homed hosts.
+    """
+    opts = tdist.ProcessGroupGloo._Options()
+    opts._timeout = ctx.timeout
+    interface = ctx.options.get("gloo_interface") or os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        opts._devices = [tdist.ProcessGroupGloo.create_device(interface=name) for name in interface.split(",")]
+    else:
+        opts._devices = [tdist.ProcessGroupGloo.create_default_device()]
+    return opts
+
+
 class GlooBackend(Backend):
     """torch's ProcessGroupGloo for one spmd group."""
 
@@ -132,7 +150,7 @@ class GlooBackend(Backend):
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
-        self.pg = tdist.ProcessGroupGloo(ctx.store, ctx.rank, ctx.size, ctx.timeout)
+        self.pg = tdist.ProcessGroupGloo(ctx.store, ctx.rank, ctx.size, _options(ctx))
         self._timeout_s = ctx.timeout.total_seconds()
 
     def _wrap(self, native: tdist.Work, keep_alive: object = None) -> Work:

@@ -1,0 +1,166 @@
+"""The per-node agent of ``spmd run``: rendezvous, start workers, watch, restart or report.
+
+The loop: join a rendezvous round, start this node's workers with torchrun's
+environment, and poll them and the round's flags every ``--monitor-interval``.
+A local failure is published to the round, so every agent stops its workers
+at once; the group restarts in a new round until ``--max-restarts`` is used
+up, then the agent exits with the failing worker's code and a summary. A
+newcomer (elastic MIN:MAX) asks for a new round, which restarts the workers
+with the new world size without using up a restart. SIGINT/SIGTERM reach
+every worker, and every agent of the job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+
+from spmd.errors import SpmdError
+from spmd.launch.args import RunConfig
+from spmd.launch.rendezvous import Rendezvous, connect_store, free_port, local_address_towards
+from spmd.launch.workers import Failure, WorkerGroup
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _say(message: str) -> None:
+    print(f"spmd run: {message}", file=sys.stderr, flush=True)
+
+
+class Agent:
+    """One node's agent; ``run()`` returns the process exit code."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.run_dir = Path(tempfile.mkdtemp(prefix=f"spmd-run-{config.rdzv_id}-"))
+        self.group: WorkerGroup | None = None
+        self.restarts = 0
+
+    # -- setup ---------------------------------------------------------------------------
+    def _rendezvous(self) -> tuple[Rendezvous, bool, str]:
+        c = self.config
+        if c.standalone:
+            endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
+            store, hosting = connect_store(endpoint, c.rdzv_timeout, host_it=True)
+        else:
+            assert c.rdzv_endpoint is not None
+            endpoint = c.rdzv_endpoint
+            host_it = True if c.node_rank == 0 else (False if c.node_rank else None)
+            store, hosting = connect_store(endpoint, c.rdzv_timeout, host_it)
+        host, _, port = endpoint.rpartition(":")
+        me = local_address_towards(host, int(port)) if not c.standalone else "127.0.0.1"
+        rdzv = Rendezvous(store, c.rdzv_id, c.min_nodes, c.max_nodes, c.rdzv_timeout, c.last_call)
+        self._store = store  # keep the hosted server alive
+        return rdzv, hosting, me
+
+    # -- main loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run()
+        except _Interrupted as interrupted:
+            name = signal.Signals(interrupted.signum).name
+            _say(f"received {name}; stopping workers")
+            self._publish_shutdown(f"agent on {socket.gethostname()} received {name}")
+            if self.group is not None:
+                self.group.stop(interrupted.signum)
+            return 128 + interrupted.signum
+        except SpmdError as error:
+            _say(str(error))
+            if self.group is not None:
+                self.group.stop()
+            return 1
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        raise _Interrupted(signum)
+
+    def _publish_shutdown(self, reason: str) -> None:
+        rdzv = getattr(self, "_rdzv", None)
+        if rdzv is not None:
+            try:
+                rdzv.store.set("shutdown", reason)
+            except Exception:  # noqa: BLE001 - the store may be gone already
+                pass
+
+    def _run(self) -> int:
+        c = self.config
+        rdzv, hosting, me = self._rendezvous()
+        self._rdzv = rdzv
+        while True:
+            membership = rdzv.join(c.nproc_per_node, c.node_rank, me)
+            round_ = membership.round
+            if membership.node_rank == 0:
+                _say(
+                    f"round {round_}: {membership.num_nodes} node(s), world size {membership.world_size}, "
+                    f"master {membership.master_addr}:{membership.master_port}, restart {self.restarts}"
+                )
+            self.group = WorkerGroup(c, membership, self.restarts, self.run_dir / f"round{round_}")
+            self.group.start()
+            outcome, failure = self._monitor(rdzv, round_)
+            if outcome == "done":
+                rdzv.store.add(rdzv.key(round_, "done"), 1)
+                if hosting:  # the store must outlive every other agent's last look at it
+                    self._wait_others_done(rdzv, round_, membership.num_nodes)
+                return 0
+            self.group.stop()
+            if outcome == "shutdown":
+                _say(f"job stopped: {rdzv.shutdown_requested()}")
+                return 1
+            if outcome == "join":
+                _say(f"a node asked to join; restarting round {round_} as round {round_ + 1}")
+                rdzv.advance_from(round_)
+                continue
+            assert failure is not None
+            if self.restarts >= c.max_restarts:
+                _say(f"job failed; restarts used {self.restarts}/{c.max_restarts}\n{failure.summary()}")
+                self._publish_shutdown(f"job failed: rank {failure.rank} {failure.how}")
+                return failure.exit_code if failure.exit_code else 1
+            self.restarts += 1
+            _say(f"{failure.summary().splitlines()[0]}; restarting the group ({self.restarts}/{c.max_restarts})")
+            rdzv.advance_from(round_)
+
+    def _monitor(self, rdzv: Rendezvous, round_: int) -> tuple[str, Failure | None]:
+        assert self.group is not None
+        failed_key = rdzv.key(round_, "failed")
+        join_key = rdzv.key(round_, "join")
+        while True:
+            done, failure = self.group.poll()
+            if failure is not None:
+                rdzv.store.compare_set(failed_key, "", failure.to_json())  # the first failure wins
+                return "failed", Failure.from_json(rdzv.store.get(failed_key).decode())
+            if done:
+                return "done", None
+            if rdzv.store.check([failed_key]):
+                return "failed", Failure.from_json(rdzv.store.get(failed_key).decode())
+            if rdzv.store.check(["shutdown"]):
+                return "shutdown", None
+            if rdzv.store.check([join_key]) and self.config.max_nodes > 1:
+                return "join", None
+            time.sleep(self.config.monitor_interval)
+
+    def _wait_others_done(self, rdzv: Rendezvous, round_: int, num_nodes: int) -> None:
+        deadline = time.monotonic() + self.config.rdzv_timeout
+        while int(rdzv.store.add(rdzv.key(round_, "done"), 0)) < num_nodes and time.monotonic() < deadline:
+            if rdzv.store.check([rdzv.key(round_, "failed"), "shutdown"]):
+                return
+            time.sleep(self.config.monitor_interval)
+
+
+def run(config: RunConfig) -> int:
+    """Run one node's share of the job; the return value is the exit code."""
+    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        _say(f"setting OMP_NUM_THREADS=1 for each of the {config.nproc_per_node} workers (set it yourself to override)")
+    return Agent(config).run()

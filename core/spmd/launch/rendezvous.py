@@ -1,0 +1,201 @@
+"""Store-based rendezvous between the agents of one job, in numbered rounds.
+
+One agent hosts a TCPStore at the rendezvous endpoint; every agent joins the
+current round by incrementing an arrival counter. The round closes when
+``max_nodes`` arrived, or ``min_nodes`` arrived and ``last_call`` seconds passed
+with no newcomer. Agents that arrive after it closed ask the running agents to
+start a new round (elastic scale-up). A failure, a join request or a shutdown
+is a key in the round's namespace that every agent polls.
+
+Keys (under ``rdzv/<id>/``): ``round``; per round ``r<N>/arrivals``,
+``r<N>/node<i>`` (json: host, nproc, requested node rank), ``r<N>/closed``
+(number of members), ``r<N>/master``, ``r<N>/failed``, ``r<N>/join``,
+``r<N>/done`` (a counter), and ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as tdist
+
+from spmd.errors import SpmdError
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The outcome of one rendezvous round, as this agent sees it."""
+
+    round: int
+    node_rank: int
+    num_nodes: int
+    nprocs: tuple[int, ...]  # per node rank
+    hosts: tuple[str, ...]
+    master_addr: str
+    master_port: int
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.nprocs)
+
+    @property
+    def rank_offset(self) -> int:
+        return sum(self.nprocs[: self.node_rank])
+
+
+def free_port(host: str = "") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """The address of this machine that ``host`` would see (for MASTER_ADDR)."""
+    if host in ("localhost", "127.0.0.1", "::1", ""):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def connect_store(endpoint: str, timeout: float, host_it: bool | None) -> tuple[tdist.Store, bool]:
+    """Host the store at ``endpoint`` if we can (or must), else connect to it; returns (store, hosting)."""
+    host, _, port_text = endpoint.rpartition(":")
+    if not host or not port_text.isdigit():
+        raise SpmdError(f"--rdzv-endpoint {endpoint!r}: write host:port, e.g. node0:29400")
+    port = int(port_text)
+    delta = timedelta(seconds=timeout)
+    if host_it is not False:
+        try:
+            return tdist.TCPStore(host, port, None, True, delta, wait_for_workers=False, multi_tenant=False), True
+        except Exception as error:  # noqa: BLE001 - someone else hosts it (or must)
+            if host_it:
+                raise SpmdError(f"could not host the rendezvous store on {endpoint}: {error}") from error
+    try:
+        return tdist.TCPStore(host, port, None, False, delta), False
+    except Exception as error:  # noqa: BLE001
+        raise SpmdError(
+            f"could not reach the rendezvous store at {endpoint} within {timeout:.0f} s ({error}); "
+            "check that the node hosting it is up and the address is reachable from here"
+        ) from error
+
+
+class Rendezvous:
+    """Rounds of membership for one job id over one store."""
+
+    def __init__(self, store: tdist.Store, run_id: str, min_nodes: int, max_nodes: int, timeout: float, last_call: float, poll: float = 0.05) -> None:
+        self.store = tdist.PrefixStore(f"rdzv/{run_id}/", store)
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.timeout, self.last_call, self.poll = timeout, last_call, poll
+
+    # -- round bookkeeping -------------------------------------------------------------
+    def current_round(self) -> int:
+        return int(self.store.add("round", 0))
+
+    def advance_from(self, round_: int) -> int:
+        """Move the job to round ``round_ + 1`` (idempotent across agents); return the new round."""
+        current = self.current_round()
+        if current <= round_:
+            self.store.add("round", round_ + 1 - current)
+        return max(current, round_ + 1)
+
+    def key(self, round_: int, name: str) -> str:
+        return f"r{round_}/{name}"
+
+    def flag(self, round_: int, name: str) -> bool:
+        return self.store.check([self.key(round_, name)])
+
+    def set(self, round_: int, name: str, value: str) -> None:
+        self.store.set(self.key(round_, name), value)
+
+    def get(self, round_: int, name: str) -> str:
+        return self.store.get(self.key(round_, name)).decode()
+
+    def shutdown_requested(self) -> str | None:
+        if self.store.check(["shutdown"]):
+            return self.store.get("shutdown").decode()
+        return None
+
+    # -- joining ---------------------------------------------------------------------------
+    def join(self, nproc: int, node_rank: int | None, host: str, is_shutdown=lambda: None) -> Membership:  # type: ignore[no-untyped-def]
+        """Join the next open round and wait until it closes with this agent inside."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            round_ = self.current_round()
+            if self.flag(round_, "closed"):
+                # Too late for this round: ask the running agents for a new one, then wait for it.
+                self.set(round_, "join", host)
+                self._wait(lambda closed=round_: self.current_round() > closed, deadline, "a new round after asking to join")
+                continue
+            index = int(self.store.add(self.key(round_, "arrivals"), 1)) - 1
+            self.set(round_, f"node{index}", json.dumps({"host": host, "nproc": nproc, "node_rank": node_rank}))
+            members = self._wait_closed(round_, index, deadline)
+            if members is None:
+                continue  # arrived after the close: go round again
+            return self._membership(round_, index, members)
+
+    def _wait(self, condition, deadline: float, what: str) -> None:  # type: ignore[no-untyped-def]
+        while not condition():
+            reason = self.shutdown_requested()
+            if reason:
+                raise SpmdError(f"rendezvous aborted: {reason}")
+            if time.monotonic() > deadline:
+                raise SpmdError(
+                    f"rendezvous timed out after {self.timeout:.0f} s waiting for {what}; "
+                    f"are --nnodes ({self.min_nodes}:{self.max_nodes}) agents started with the same --rdzv-id?"
+                )
+            time.sleep(self.poll)
+
+    def _wait_closed(self, round_: int, index: int, deadline: float) -> int | None:
+        last_count, last_change = -1, time.monotonic()
+        while not self.flag(round_, "closed"):
+            count = int(self.store.add(self.key(round_, "arrivals"), 0))
+            now = time.monotonic()
+            if count != last_count:
+                last_count, last_change = count, now
+            if count >= self.max_nodes or (count >= self.min_nodes and now - last_change >= self.last_call):
+                # First writer wins; others read the same value back.
+                self.store.compare_set(self.key(round_, "closed"), "", str(min(count, self.max_nodes)))
+                break
+            reason = self.shutdown_requested()
+            if reason:
+                raise SpmdError(f"rendezvous aborted: {reason}")
+            if now > deadline:
+                raise SpmdError(
+                    f"rendezvous round {round_} timed out after {self.timeout:.0f} s with {count} of at least "
+                    f"{self.min_nodes} nodes; start the missing agents with the same --rdzv-endpoint and --rdzv-id"
+                )
+            time.sleep(self.poll)
+        members = int(self.get(round_, "closed"))
+        return members if index < members else None
+
+    def _membership(self, round_: int, index: int, members: int) -> Membership:
+        infos = [json.loads(self.get(round_, f"node{i}")) for i in range(members)]
+        requested = [info["node_rank"] for info in infos]
+        if all(r is not None for r in requested) and sorted(requested) == list(range(members)):
+            order = sorted(range(members), key=lambda i: requested[i])  # static node ranks
+        else:
+            order = list(range(members))  # arrival order
+        node_rank = order.index(index)
+        ordered = [infos[i] for i in order]
+        if node_rank == 0:
+            addr = ordered[0]["host"]
+            self.set(round_, "master", f"{addr}:{free_port()}")
+        master = self.store.get(self.key(round_, "master")).decode()  # blocks until node 0 set it
+        addr, _, port = master.rpartition(":")
+        return Membership(
+            round=round_,
+            node_rank=node_rank,
+            num_nodes=members,
+            nprocs=tuple(int(i["nproc"]) for i in ordered),
+            hosts=tuple(i["host"] for i in ordered),
+            master_addr=addr,
+            master_port=int(port),
+        )

@@ -1,0 +1,267 @@
+"""Start, watch and stop one node's worker processes.
+
+Workers get torchrun's environment, their own session (so a stop reaches
+their children too) and PR_SET_PDEATHSIG (so none outlives a killed agent).
+Their stdout/stderr pass through reader threads: to the console (prefixed by
+rank under --tee), to per-rank log files, and into a short tail kept for the
+failure summary.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from spmd.launch.args import RunConfig
+from spmd.launch.rendezvous import Membership
+
+TAIL_LINES = 40
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL me when the agent dies (Linux prctl)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Worker:
+    """One worker process and what the agent remembers about it."""
+
+    local_rank: int
+    rank: int
+    proc: subprocess.Popen
+    error_file: Path
+    stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A worker that exited badly: who, where, how, and its last words."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    host: str
+    returncode: int
+    detail: str
+
+    @property
+    def how(self) -> str:
+        if self.returncode < 0:
+            try:
+                return f"killed by signal {signal.Signals(-self.returncode).name}"
+            except ValueError:
+                return f"killed by signal {-self.returncode}"
+        return f"exited with code {self.returncode}"
+
+    @property
+    def exit_code(self) -> int:
+        """The agent's own exit code for this failure (shell convention for signals)."""
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    def summary(self) -> str:
+        lines = [f"rank {self.rank} (local rank {self.local_rank}) on node {self.node_rank} ({self.host}) {self.how}"]
+        if self.detail.strip():
+            lines.append("  its last output:")
+            lines += [f"    {line}" for line in self.detail.rstrip().splitlines()]
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str) -> Failure:
+        return cls(**json.loads(text))
+
+
+def _command(config: RunConfig) -> list[str]:
+    if config.no_python:
+        return [config.script, *config.script_args]
+    if config.module:
+        return [sys.executable, "-u", "-m", config.script, *config.script_args]
+    return [sys.executable, "-u", config.script, *config.script_args]
+
+
+def worker_env(config: RunConfig, m: Membership, local_rank: int, restart: int, run_dir: Path) -> dict[str, str]:
+    """torchrun's variables, plus the spmd names for the restart counter."""
+    env = dict(os.environ)
+    rank = m.rank_offset + local_rank
+    env.update({
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(m.world_size),
+        "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+        "GROUP_RANK": str(m.node_rank),
+        "GROUP_WORLD_SIZE": str(m.num_nodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(m.world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": m.master_addr,
+        "MASTER_PORT": str(m.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        "SPMD_RESTART_COUNT": str(restart),
+        "TORCHELASTIC_MAX_RESTARTS": str(config.max_restarts),
+        "TORCHELASTIC_RUN_ID": config.rdzv_id,
+        "SPMD_RUN_ID": config.rdzv_id,
+        "TORCHELASTIC_ERROR_FILE": str(run_dir / f"error_{local_rank}.json"),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks sharing a node must not oversubscribe it
+    return env
+
+
+class _Sink:
+    """Where one stream of one worker goes: console (maybe prefixed), a file, the tail."""
+
+    def __init__(self, console: IO[bytes] | None, prefix: bytes, log: IO[bytes] | None, tail: collections.deque | None) -> None:
+        self.console, self.prefix, self.log, self.tail = console, prefix, log, tail
+        self.lock = threading.Lock()
+
+    def pump(self, stream: IO[bytes]) -> None:
+        for line in iter(stream.readline, b""):
+            if self.log is not None:
+                self.log.write(line)
+                self.log.flush()
+            if self.console is not None:
+                with _CONSOLE_LOCK:
+                    self.console.write(self.prefix + line)
+                    self.console.flush()
+            if self.tail is not None:
+                self.tail.append(line.decode(errors="replace").rstrip("\n"))
+        stream.close()
+        if self.log is not None:
+            self.log.close()
+
+
+_CONSOLE_LOCK = threading.Lock()
+
+
+class WorkerGroup:
+    """The workers of this node for one rendezvous round."""
+
+    def __init__(self, config: RunConfig, membership: Membership, restart: int, run_dir: Path) -> None:
+        self.config, self.membership, self.restart = config, membership, restart
+        self.run_dir = run_dir
+        self.workers: list[Worker] = []
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cmd = _command(self.config)
+        for local_rank in range(self.config.nproc_per_node):
+            env = worker_env(self.config, self.membership, local_rank, self.restart, self.run_dir)
+            error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
+            error_file.unlink(missing_ok=True)
+            try:
+                proc = subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    start_new_session=True, preexec_fn=_die_with_parent,
+                )
+            except FileNotFoundError as error:
+                self.stop()
+                raise SystemExit(f"spmd run: cannot start {cmd[0]!r}: {error.strerror}") from error
+            worker = Worker(local_rank, int(env["RANK"]), proc, error_file)
+            self._wire(worker)
+            self.workers.append(worker)
+
+    def _log_file(self, local_rank: int, name: str) -> IO[bytes] | None:
+        if not self.config.log_dir:
+            return None
+        folder = Path(self.config.log_dir) / self.config.rdzv_id / f"attempt_{self.restart}" / str(local_rank)
+        folder.mkdir(parents=True, exist_ok=True)
+        return open(folder / f"{name}.log", "wb")  # noqa: SIM115 - closed by the pump thread
+
+    def _wire(self, worker: Worker) -> None:
+        tee, redirect = self.config.tee[worker.local_rank], self.config.redirects[worker.local_rank]
+        for bit, name, console, stream in ((1, "stdout", sys.stdout.buffer, worker.proc.stdout), (2, "stderr", sys.stderr.buffer, worker.proc.stderr)):
+            to_file = bool((tee | redirect) & bit)
+            to_console = not (redirect & bit)
+            prefix = f"[rank{worker.rank}]: ".encode() if tee & bit else b""
+            sink = _Sink(
+                console if to_console else None,
+                prefix,
+                self._log_file(worker.local_rank, name) if to_file else None,
+                worker.stderr_tail if name == "stderr" else None,
+            )
+            thread = threading.Thread(target=sink.pump, args=(stream,), daemon=True, name=f"spmd-{name}-{worker.rank}")
+            thread.start()
+            worker.threads.append(thread)
+
+    def poll(self) -> tuple[bool, Failure | None]:
+        """(all exited successfully, first failure if any)."""
+        all_done = True
+        for worker in self.workers:
+            code = worker.proc.poll()
+            if code is None:
+                all_done = False
+            elif code != 0:
+                return False, self._failure(worker, code)
+        return all_done, None
+
+    def _failure(self, worker: Worker, code: int) -> Failure:
+        for thread in worker.threads:
+            thread.join(timeout=1.0)  # let the pumps drain the last lines
+        detail = _error_file_message(worker.error_file) or _last_traceback(list(worker.stderr_tail))
+        return Failure(worker.rank, worker.local_rank, self.membership.node_rank, self.membership.hosts[self.membership.node_rank], code, detail)
+
+    def signal_all(self, signum: int) -> None:
+        for worker in self.workers:
+            if worker.proc.poll() is None:
+                try:
+                    os.killpg(worker.proc.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Signal every worker's process group, then SIGKILL what is left after the grace period."""
+        self.signal_all(signum)
+        deadline = time.monotonic() + self.config.stop_grace
+        for worker in self.workers:
+            try:
+                worker.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal_all(signal.SIGKILL)
+        for worker in self.workers:
+            worker.proc.wait()
+            for thread in worker.threads:
+                thread.join(timeout=1.0)
+
+    def pids(self) -> Mapping[int, int]:
+        return {w.rank: w.proc.pid for w in self.workers}
+
+
+def _error_file_message(path: Path) -> str:
+    """The traceback a worker wrote in torchelastic's error-file format, if it did."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    message = data.get("message", data)
+    if isinstance(message, dict):
+        extra = message.get("extraInfo", {})
+        return str(extra.get("py_callstack") or message.get("message", ""))
+    return str(message)
+
+
+def _last_traceback(lines: list[str]) -> str:
+    """The last Python traceback in a stderr tail, or the tail itself."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    chosen = lines[starts[-1]:] if starts else lines[-10:]
+    return "\n".join(chosen)

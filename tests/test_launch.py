@@ -1,0 +1,254 @@
+"""`spmd run`: torchrun compatibility, multi-agent rendezvous, restarts, signals, logs, elastic joins."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parent / "launch_scripts"
+SPMD = [sys.executable, "-m", "spmd"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
+    env.update(extra)
+    return env
+
+
+def reports(stdout: str) -> list[dict]:
+    return sorted((json.loads(line.split("REPORT ", 1)[1]) for line in stdout.splitlines() if "REPORT " in line), key=lambda r: int(r["env"]["RANK"]))
+
+
+def test_torchrun_script_runs_unchanged_one_node_four_workers():
+    out = subprocess.run([*SPMD, "run", "--nproc-per-node", "4", str(SCRIPTS / "report.py"), "--lr", "0.1"], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = reports(out.stdout)
+    assert [r["env"]["RANK"] for r in rows] == ["0", "1", "2", "3"]
+    for r in rows:
+        assert r["env"]["WORLD_SIZE"] == "4" and r["env"]["LOCAL_WORLD_SIZE"] == "4" and r["env"]["GROUP_RANK"] == "0"
+        assert r["env"]["LOCAL_RANK"] == r["env"]["RANK"]
+        assert r["env"]["TORCHELASTIC_RESTART_COUNT"] == r["env"]["SPMD_RESTART_COUNT"] == "0"
+        assert r["env"]["OMP_NUM_THREADS"] == "1"
+        assert r["sum"] == 6.0 and r["args"] == ["--lr", "0.1"]
+
+
+@pytest.mark.parametrize("script", ["report.py", "spmd_report.py"])
+def test_two_agents_two_workers_each(script):
+    port = free_port()
+    cmd = [*SPMD, "run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two", str(SCRIPTS / script)]
+    agents = [subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [a.communicate(timeout=120) for a in agents]
+    assert all(a.returncode == 0 for a in agents), [o[1] for o in outs]
+    rows = reports("".join(o[0] for o in outs))
+    assert [r["env"]["RANK"] for r in rows] == ["0", "1", "2", "3"]
+    assert sorted({r["env"]["GROUP_RANK"] for r in rows}) == ["0", "1"]
+    assert all(r["env"]["LOCAL_WORLD_SIZE"] == "2" and r["sum"] == 6.0 for r in rows)
+
+
+def test_static_node_ranks_are_honoured():
+    port = free_port()
+    base = [*SPMD, "run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "static"]
+    # node 1 starts first: with static ranks it must still get GROUP_RANK 1
+    second = subprocess.Popen([*base, "--node-rank", "1", str(SCRIPTS / "report.py")], env=clean_env(), stdout=subprocess.PIPE, text=True)
+    first = subprocess.Popen([*base, "--node-rank", "0", str(SCRIPTS / "report.py")], env=clean_env(), stdout=subprocess.PIPE, text=True)
+    out1, out0 = second.communicate(timeout=120)[0], first.communicate(timeout=120)[0]
+    assert second.returncode == first.returncode == 0
+    assert reports(out1)[0]["env"]["GROUP_RANK"] == "1" and reports(out1)[0]["env"]["RANK"] == "1"
+    assert reports(out0)[0]["env"]["GROUP_RANK"] == "0"
+
+
+def test_kill_9_restarts_the_group_and_the_job_finishes():
+    out = subprocess.run([*SPMD, "run", "--nproc-per-node", "2", "--max-restarts", "2", str(SCRIPTS / "crash.py")], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("FINISHED")) == ["FINISHED rank=0 restart=1", "FINISHED rank=1 restart=1"]
+    assert "rank 1 (local rank 1) on node 0" in out.stderr and "killed by signal SIGKILL; restarting the group (1/2)" in out.stderr
+
+
+def test_without_restarts_the_agent_exits_fast_naming_rank_and_signal():
+    start = time.monotonic()
+    out = subprocess.run([*SPMD, "run", "--nproc-per-node", "2", "--max-restarts", "0", str(SCRIPTS / "crash.py")], env=clean_env(), capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 128 + signal.SIGKILL
+    assert "job failed; restarts used 0/0" in out.stderr
+    assert "rank 1 (local rank 1) on node 0 (127.0.0.1) killed by signal SIGKILL" in out.stderr
+    # includes interpreter start-up and `import torch` twice (agent and workers): ~2-3 s here
+    assert elapsed < 5 + 3, elapsed
+
+
+def test_python_error_summary_shows_the_traceback():
+    out = subprocess.run([*SPMD, "run", "--nproc-per-node", "2", str(SCRIPTS / "raise_error.py")], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    summary = out.stderr.split("job failed", 1)[1]
+    assert "rank 0 (local rank 0) on node 0 (127.0.0.1) exited with code 1" in summary
+    assert "ValueError: bad learning rate 42" in summary and "Traceback (most recent call last)" in summary
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_agent_reaches_every_worker(tmp_path, signum):
+    agent = subprocess.Popen([*SPMD, "run", "--nproc-per-node", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path)], env=clean_env(), stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: len(list(tmp_path.glob("pid*"))) == 2, 60, "both workers to start")
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    agent.send_signal(signum)
+    _, err = agent.communicate(timeout=30)
+    assert agent.returncode == 128 + signum
+    assert f"received {signal.Signals(signum).name}" in err
+    _wait_for(lambda: not any(_alive(p) for p in pids), 10, "workers to exit")
+
+
+def test_kill_9_of_the_agent_leaves_no_orphan(tmp_path):
+    agent = subprocess.Popen([*SPMD, "run", "--nproc-per-node", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path)], env=clean_env())
+    _wait_for(lambda: len(list(tmp_path.glob("pid*"))) == 2, 60, "both workers to start")
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    agent.kill()
+    agent.wait(timeout=10)
+    _wait_for(lambda: not any(_alive(p) for p in pids), 10, "workers to die with their agent")
+
+
+def test_tee_prefixes_and_log_dir_keeps_per_rank_files(tmp_path):
+    out = subprocess.run(
+        [*SPMD, "run", "--nproc-per-node", "2", "--tee", "3", "--log-dir", str(tmp_path), "--rdzv-id", "logs", str(SCRIPTS / "report.py")],
+        env=clean_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert any(line.startswith("[rank0]: REPORT ") for line in out.stdout.splitlines())
+    assert any(line.startswith("[rank1]: REPORT ") for line in out.stdout.splitlines())
+    for local in ("0", "1"):
+        text = (tmp_path / "logs" / "attempt_0" / local / "stdout.log").read_text()
+        assert "REPORT " in text and not text.startswith("[rank")
+
+
+def test_redirects_keep_output_off_the_console(tmp_path):
+    out = subprocess.run(
+        [*SPMD, "run", "--nproc-per-node", "2", "--redirects", "1", "--log-dir", str(tmp_path), "--rdzv-id", "quiet", str(SCRIPTS / "report.py")],
+        env=clean_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0 and "REPORT" not in out.stdout
+    assert "REPORT " in (tmp_path / "quiet" / "attempt_0" / "1" / "stdout.log").read_text()
+
+
+def test_module_and_no_python_forms(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "job.py").write_text((SCRIPTS / "report.py").read_text())
+    out = subprocess.run([*SPMD, "run", "--nproc-per-node", "2", "-m", "mypkg.job", "x"], env=clean_env(PYTHONPATH=str(tmp_path)), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [r["args"] for r in reports(out.stdout)] == [["x"], ["x"]]
+    exe = tmp_path / "job.sh"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {SCRIPTS / 'report.py'} \"$@\"\n")
+    exe.chmod(0o755)
+    out = subprocess.run([*SPMD, "run", "--nproc-per-node", "2", "--no-python", str(exe), "y"], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [r["args"] for r in reports(out.stdout)] == [["y"], ["y"]]
+
+
+def test_elastic_join_restarts_with_the_new_world_size_and_resumes(tmp_path):
+    port = free_port()
+    ckpt = tmp_path / "state.pt"
+    cmd = [*SPMD, "run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic", "--last-call", "0.5",
+           str(SCRIPTS / "elastic.py"), str(ckpt), "40", "0.05"]
+    first = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(ckpt.exists, 60, "the first node to train alone")
+    second = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out0, err0 = first.communicate(timeout=120)
+    out1, err1 = second.communicate(timeout=120)
+    assert first.returncode == second.returncode == 0, (err0, err1)
+    state = json.loads(next(line for line in (out0 + out1).splitlines() if line.startswith("ELASTIC "))[len("ELASTIC "):])
+    assert state["step"] == 40
+    assert state["history"][0] == 1 and state["history"][-1] == 2  # world of one, then two
+    assert "a node asked to join" in err0 + err1
+
+
+def test_srun_and_mpiexec_environments_are_detected_without_spmd_run():
+    code = "import spmd; spmd.init('gloo'); import torch; t=torch.ones(1); spmd.all_reduce(t); print(spmd.get_rank(), spmd.get_world_size(), int(t.item())); spmd.destroy_process_group()"
+    port = free_port()
+    variants = {
+        "slurm": lambda r: {"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r), "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "1", "MASTER_PORT": str(port)},
+        "openmpi": lambda r: {"OMPI_COMM_WORLD_RANK": str(r), "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": str(r), "MASTER_PORT": str(port + 1)},
+        "mpich": lambda r: {"PMI_RANK": str(r), "PMI_SIZE": "2", "MPI_LOCALRANKID": str(r), "MASTER_PORT": str(port + 2)},
+    }
+    for name, env_of in variants.items():
+        procs = [subprocess.Popen([sys.executable, "-c", code], env=clean_env(**env_of(r)), stdout=subprocess.PIPE, text=True) for r in range(2)]
+        outs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+        assert outs == ["0 2 2", "1 2 2"], (name, outs)
+
+
+def _netns_available() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    probe = subprocess.run(["ip", "netns", "add", "spmdprobe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"`ip netns add` is not allowed here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "spmdprobe"], capture_output=True)
+    return None
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: 10.77.<k>.1 and 10.77.<k>.2, nothing else."""
+    reason = _netns_available()
+    if reason:
+        pytest.skip(f"network-namespace test skipped: {reason}")
+    k = os.getpid() % 200 + 20
+    names = [f"spmd{k}a", f"spmd{k}b"]
+    ips = [f"10.77.{k}.1", f"10.77.{k}.2"]
+    cmds = [
+        ["ip", "netns", "add", names[0]], ["ip", "netns", "add", names[1]],
+        ["ip", "link", "add", f"v{k}a", "type", "veth", "peer", "name", f"v{k}b"],
+        ["ip", "link", "set", f"v{k}a", "netns", names[0]], ["ip", "link", "set", f"v{k}b", "netns", names[1]],
+    ]
+    for ns, dev, ip in zip(names, (f"v{k}a", f"v{k}b"), ips):
+        cmds += [["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev], ["ip", "-n", ns, "link", "set", dev, "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]]
+    try:
+        for cmd in cmds:
+            subprocess.run(cmd, check=True, capture_output=True)
+        yield list(zip(names, (f"v{k}a", f"v{k}b"), ips))
+    finally:
+        for ns in names:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.mark.parametrize("script", ["report.py", "spmd_report.py"])
+def test_two_agents_across_network_namespaces(two_hosts, script):
+    (ns0, dev0, ip0), (ns1, dev1, _) = two_hosts
+    port = 29400
+    base = [*SPMD, "run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"{ip0}:{port}", "--rdzv-id", "netns"]
+    agents = [
+        subprocess.Popen(["ip", "netns", "exec", ns, *base, "--node-rank", str(i), str(SCRIPTS / script)],
+                         env=clean_env(GLOO_SOCKET_IFNAME=dev), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i, (ns, dev) in enumerate(((ns0, dev0), (ns1, dev1)))
+    ]
+    outs = [a.communicate(timeout=120) for a in agents]
+    assert all(a.returncode == 0 for a in agents), [o[1][-2000:] for o in outs]
+    rows = reports("".join(o[0] for o in outs))
+    assert [r["env"]["RANK"] for r in rows] == ["0", "1", "2", "3"] and all(r["sum"] == 6.0 for r in rows)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
+EXAMPLES = Path(__file__).parent.parent / "examples"
 SPMD = [sys.executable, "-m", "spmd"]
 
 
@@ -176,7 +177,7 @@ def test_elastic_join_restarts_with_the_new_world_size_and_resumes(tmp_path):
     port = free_port()
     ckpt = tmp_path / "state.pt"
     cmd = [*SPMD, "run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic", "--last-call", "0.5",
-           str(SCRIPTS / "elastic.py"), str(ckpt), "40", "0.05"]
+           str(EXAMPLES / "elastic_resume.py"), str(ckpt), "40", "0.05"]
     first = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(ckpt.exists, 60, "the first node to train alone")
     second = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1,0 +1,37 @@
+"""Parallelism strategies: the strategy registry and the builtin DistributedDataParallel.
+
+    import spmd
+    from spmd.parallel import DistributedDataParallel as DDP
+
+    spmd.init()
+    model = DDP(model)                        # or spmd.parallel.get_strategy("ddp").apply(model)
+"""
+
+from spmd.parallel.buckets import GradBucket
+from spmd.parallel.comm_hooks import (
+    CommHook,
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+    get_hook,
+    hook_names,
+    register_hook,
+)
+from spmd.parallel.ddp import DistributedDataParallel
+from spmd.parallel.registry import StrategyNotFoundError, StrategySpec, get_strategy, strategy_names
+
+__all__ = [
+    "CommHook",
+    "DistributedDataParallel",
+    "GradBucket",
+    "StrategyNotFoundError",
+    "StrategySpec",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "fp16_compress_hook",
+    "get_hook",
+    "get_strategy",
+    "hook_names",
+    "register_hook",
+    "strategy_names",
+]

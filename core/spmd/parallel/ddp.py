@@ -1,0 +1,119 @@
+"""DistributedDataParallel: replicate a module on every rank of a group and average its gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from spmd.comm.group import ProcessGroup
+from spmd.comm.state import resolve_group
+from spmd.errors import SpmdError
+from spmd.parallel.buckets import FIRST_BUCKET_BYTES
+from spmd.parallel.comm_hooks import CommHook, get_hook
+from spmd.parallel.reducer import Reducer
+from spmd.parallel.state_dict import add_wrapped_prefix, strip_prefix
+from spmd.parallel.sync import broadcast_coalesced, verify_shapes
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism with torch DDP's behaviour, over any spmd backend and any group.
+
+    At construction every rank gets group rank 0's parameters and buffers.
+    Each forward broadcasts buffers from rank 0 (``broadcast_buffers=True``);
+    each backward averages the gradients across the group, bucket by bucket
+    while backward still runs, so ``loss.backward()`` returns with averaged
+    gradients. Each ``param.grad`` is a view into its bucket's flat buffer
+    (torch's ``gradient_as_bucket_view=True``, always on here: no copy back).
+
+    Differences from ``torch.nn.parallel.DistributedDataParallel``: options
+    after ``module`` are keyword-only; ``state_dict()`` has no ``module.``
+    prefix and ``load_state_dict`` accepts keys with or without it; a
+    parameter that got no gradient is an error at the end of that backward
+    (naming it), not at the next forward; ``register_comm_hook`` also takes a
+    registered hook's name; buckets are not rebuilt after the first iteration.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        init_sync: bool = True,
+        gradient_as_bucket_view: bool = True,
+        device_ids: Sequence[Any] | None = None,
+        output_device: Any = None,
+    ) -> None:
+        super().__init__()
+        del gradient_as_bucket_view, device_ids, output_device  # accepted for torch compatibility
+        self.module = module
+        self.process_group = resolve_group(process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        #: False inside ``no_sync()``: the backward of a forward run then only accumulates locally.
+        self.require_backward_grad_sync = True
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise SpmdError("DistributedDataParallel: the module has no parameter that requires a gradient")
+        group = self.process_group
+        if init_sync:
+            verify_shapes(named, group)
+            broadcast_coalesced([p.detach() for _, p in named] + [b for b in module.buffers()], group)
+        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        cap_bytes = max(int(cap * (1 << 20)), 1)
+        first = min(FIRST_BUCKET_BYTES, cap_bytes) if bucket_cap_mb is None else cap_bytes
+        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], group, cap_bytes, first, find_unused_parameters)
+        self.register_load_state_dict_pre_hook(add_wrapped_prefix)
+
+    # -- training --------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module; its backward will average gradients unless in ``no_sync()``."""
+        if self.broadcast_buffers and self.process_group.size > 1:
+            buffers = [b for b in self.module.buffers()]
+            if buffers:
+                broadcast_coalesced(buffers, self.process_group)
+        output = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            self.reducer.prepare(output)
+        else:
+            self.reducer.disarm()
+        return output
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards of forwards run inside only accumulate gradients locally (for gradient accumulation)."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: Any, hook: CommHook | str) -> None:
+        """Reduce each bucket with ``hook(state, bucket) -> spmd.Work`` (or the hook registered under that name)."""
+        if self.reducer.comm_hook is not None:
+            raise SpmdError("DistributedDataParallel: a communication hook is already registered; register one only")
+        resolved = get_hook(hook) if isinstance(hook, str) else hook
+        if not callable(resolved):
+            raise TypeError(f"communication hook must be callable or a registered name, got {type(hook).__name__}")
+        self.reducer.comm_hook_state = state
+        self.reducer.comm_hook = resolved
+
+    # -- state -----------------------------------------------------------------------
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The wrapped module's state dict: keys have no ``module.`` prefix."""
+        if args:  # torch's deprecated positional form (destination, prefix, keep_vars)
+            return self.module.state_dict(*args)
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load into the wrapped module; keys may carry a ``module.`` prefix or not."""
+        return self.module.load_state_dict(strip_prefix(state_dict), strict=strict, assign=assign)

@@ -184,16 +184,17 @@ def state_dict_round_trip() -> dict[str, Any]:
     return {"keys": keys, "nested": list(nested.state_dict())[:2], "type": type(ddp).__name__}
 
 
-def subgroup(steps: int = 10) -> dict[str, Any] | None:
-    """Ranks 0 and 2 of a world of 3 train with DDP over their own group; rank 1 stays out.
+def against_local_reference(members: list[int] | None = None, steps: int = 10) -> dict[str, Any] | None:
+    """DDP over ``members`` (the world when None); ranks outside the group stay out.
 
-    The reference trains a local copy on both members' batches at once (the mean
-    of the two equal-size batch losses has the averaged gradient).
+    The reference trains a local copy on every member's batch at once (the mean
+    of equal-size batch losses has the averaged gradient): no torch.distributed,
+    so it runs on any backend.
     """
-    group = spmd.new_group([0, 2])
+    group = spmd.new_group(members) if members is not None else None
     if group is spmd.GroupMember.NON_GROUP_MEMBER:
         return None
-    members = spmd.get_process_group_ranks(group)
+    members = spmd.get_process_group_ranks(group) if group is not None else list(range(spmd.get_world_size()))
     torch.manual_seed(7 + spmd.get_rank())
     ddp = DDP(Net(), process_group=group)
     reference = copy.deepcopy(ddp.module)  # after DDP's broadcast: group rank 0's weights
@@ -208,4 +209,4 @@ def subgroup(steps: int = 10) -> dict[str, Any] | None:
             opt.zero_grad()
     for p, q in zip(ddp.module.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
-    return {"group_rank": spmd.get_rank(group), "members": members}
+    return {"group_rank": spmd.get_rank(group), "members": members, "backend": spmd.get_backend(group)}

@@ -50,9 +50,16 @@ def test_state_dict_has_no_wrapper_prefix(spmd_world):
 
 
 def test_ddp_over_a_subgroup(spmd_world):
-    results = spmd_world(3, "gloo").run(ddp_helpers.subgroup, timeout=90)
+    results = spmd_world(3, "gloo").run(ddp_helpers.against_local_reference, [0, 2], timeout=90)
     assert results[1] is None
     assert [r["group_rank"] for r in (results[0], results[2])] == [0, 1]
+
+
+def test_ddp_on_a_third_party_backend(spmd_world):
+    """The isend/irecv-only example plugin: every collective DDP uses comes from the generic algorithms."""
+    pytest.importorskip("spmd_example_p2p")
+    results = spmd_world(2, "p2p").run(ddp_helpers.against_local_reference, timeout=90)
+    assert [r["backend"] for r in results] == ["p2p", "p2p"]
 
 
 def test_strategy_registry():

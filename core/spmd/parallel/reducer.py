@@ -26,6 +26,8 @@ from spmd.parallel.buckets import GradBucket, assign_buckets
 from spmd.parallel.comm_hooks import CommHook
 from spmd.parallel.graph import reached_parameters
 
+_DONE = Work.completed()
+
 
 class Reducer:
     """Bucketed, overlapped gradient averaging for one list of parameters over one group."""
@@ -163,6 +165,8 @@ class Reducer:
 
     def _launch(self, bucket: GradBucket) -> Work:
         if self.comm_hook is None:
+            if self.group.size == 1:
+                return _DONE
             work = all_reduce(bucket.buffer(), ReduceOp.SUM, group=self.group, async_op=True)
         else:
             work = self.comm_hook(self.comm_hook_state, bucket)

@@ -1,0 +1,208 @@
+"""spmd DDP against torch DDP, both over Gloo: the same model and data, steps alternated in one run.
+
+    python benchmarks/ddp_vs_torch.py                   # 2 ranks, a 14 M-parameter MLP
+    python benchmarks/ddp_vs_torch.py --rounds 10 --width 2048 --profile
+
+Three wrappers of three identical copies of one model train side by side:
+spmd DDP, torch DDP with its defaults, and torch DDP with
+``gradient_as_bucket_view=True`` (what spmd always does). Each round runs one
+training step (zero_grad, forward, backward, SGD step) of every side, the
+order rotating from round to round so drift hits all alike; the table shows
+the median step time of each and the ratios spmd/torch (below 1.0: spmd faster).
+
+Hidden communication. Separately, with the same sizes, it measures
+``compute``: forward+backward of an unwrapped copy (no communication), and
+``comm``: all-reducing buffers of the gradient buckets' sizes, all in flight at
+once, with nothing else running (through spmd for spmd, through torch's Gloo
+group for torch; both DDPs cut buckets by the same rule).
+With ``ddp`` the forward+backward time of the wrapped model::
+
+    exposed = ddp - compute             # communication time backward did not hide
+    hidden share = (compute + comm - ddp) / comm    (clamped to 0..1)
+
+1.0 means all of the communication overlapped the backward; 0.0 means none did.
+``--profile`` runs cProfile on rank 0 over extra spmd steps and prints the top entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import json
+import os
+import pstats
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+
+def make_model(width: int, depth: int) -> nn.Module:
+    """An MLP of ``depth`` square layers (``depth * width**2`` parameters)."""
+    layers: list[nn.Module] = [nn.Linear(64, width), nn.GELU()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def fwd_bwd(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    for p in model.parameters():
+        p.grad = None
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median_of(fn: Callable[[], None], n: int, barrier: Callable[[], None]) -> float:
+    times = []
+    for _ in range(n):
+        barrier()
+        times.append(timed(fn))
+    return statistics.median(times)
+
+
+def bucket_allreduce(buffers: list[torch.Tensor], reduce: Callable[[torch.Tensor], object]) -> Callable[[], None]:
+    """All-reduce every buffer, all in flight at once (as DDP launches them), then wait."""
+
+    def run() -> None:
+        works = [reduce(b) for b in buffers]
+        for work in works:
+            work.wait()  # type: ignore[attr-defined]
+
+    return run
+
+
+def worker(args: argparse.Namespace) -> None:
+    import spmd
+    from spmd.parallel import DistributedDataParallel as DDP
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
+    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=300)
+    tdist.init_process_group("gloo", store=tdist.PrefixStore("torch/", store), rank=rank, world_size=world,
+                             timeout=timedelta(seconds=300))
+    barrier = lambda: tdist.barrier()  # noqa: E731 - one barrier for every side
+
+    torch.manual_seed(0)
+    base = make_model(args.width, args.depth)
+    n_params = sum(p.numel() for p in base.parameters())
+    sides: dict[str, nn.Module] = {
+        "spmd": DDP(copy.deepcopy(base), bucket_cap_mb=args.bucket_cap_mb),
+        "torch": nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=args.bucket_cap_mb),
+        "torch_view": nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=args.bucket_cap_mb,
+                                                          gradient_as_bucket_view=True),
+    }
+    opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in sides.items()}
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, 64, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    names = list(sides)
+    for _ in range(args.warmup):  # connections, allocations, torch's bucket rebuild after step 1
+        for name in names:
+            train_step(sides[name], opts[name], x, y)
+
+    steps: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            barrier()
+            steps[name].append(timed(lambda n=name: train_step(sides[n], opts[n], x, y)))
+    medians = {name: statistics.median(t) for name, t in steps.items()}
+
+    # Hidden communication: compute alone, communication alone, and the two together in DDP.
+    plain = copy.deepcopy(base)
+    n = max(5, args.rounds // 2)
+    compute = median_of(lambda: fwd_bwd(plain, x, y), n, barrier)
+    spmd_buffers = [b.buffer().clone() for b in sides["spmd"].reducer.buckets]  # type: ignore[union-attr]
+    comm_spmd = median_of(bucket_allreduce(spmd_buffers, lambda b: spmd.all_reduce(b, async_op=True)), n, barrier)
+    comm_torch = median_of(bucket_allreduce(spmd_buffers, lambda b: tdist.all_reduce(b, async_op=True)), n, barrier)
+    overlap = {}
+    for name, comm in (("spmd", comm_spmd), ("torch", comm_torch), ("torch_view", comm_torch)):
+        ddp = median_of(lambda m=sides[name]: fwd_bwd(m, x, y), n, barrier)
+        hidden = min(1.0, max(0.0, (compute + comm - ddp) / comm))
+        overlap[name] = {"ddp_fwd_bwd_s": ddp, "comm_s": comm, "exposed_s": ddp - compute, "hidden_share": hidden}
+
+    if args.profile and rank == 0:
+        profiler = cProfile.Profile()
+        profiler.enable()
+    for _ in range(args.profile_steps if args.profile else 0):
+        train_step(sides["spmd"], opts["spmd"], x, y)
+    if args.profile and rank == 0:
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(14)
+        print(out.getvalue())
+
+    if rank == 0:
+        result = {"params": n_params, "buckets": len(sides["spmd"].reducer.buckets),  # type: ignore[union-attr]
+                  "median_step_s": medians, "ratio_spmd_torch": medians["spmd"] / medians["torch"],
+                  "ratio_spmd_torch_view": medians["spmd"] / medians["torch_view"], "compute_fwd_bwd_s": compute,
+                  "overlap": overlap}
+        if args.json:
+            print(json.dumps(result, indent=1))
+        else:
+            report(result, args)
+    spmd.destroy_process_group()
+    tdist.destroy_process_group()
+
+
+def report(r: dict, args: argparse.Namespace) -> None:
+    ms = lambda s: f"{s * 1e3:9.1f}"  # noqa: E731
+    print(f"{r['params'] / 1e6:.1f} M parameters, {r['buckets']} spmd buckets (bucket_cap_mb={args.bucket_cap_mb}), "
+          f"batch {args.batch}, {args.rounds} rounds; median step time (zero_grad+fwd+bwd+SGD)")
+    print(f"{'side':12s} {'step ms':>9s} {'fwd+bwd ms':>11s} {'comm ms':>9s} {'exposed ms':>11s} {'hidden':>7s}")
+    for name, step in r["median_step_s"].items():
+        o = r["overlap"][name]
+        print(f"{name:12s} {ms(step)} {ms(o['ddp_fwd_bwd_s'])}  {ms(o['comm_s'])} {ms(o['exposed_s'])}  {o['hidden_share']:6.0%}")
+    print(f"compute-only fwd+bwd: {ms(r['compute_fwd_bwd_s']).strip()} ms")
+    print(f"ratio spmd/torch: {r['ratio_spmd_torch']:.3f}   spmd/torch(gradient_as_bucket_view): {r['ratio_spmd_torch_view']:.3f}")
+    print("hidden share = (compute + comm - ddp fwd+bwd) / comm, clamped to 0..1")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--width", type=int, default=1536)
+    parser.add_argument("--depth", type=int, default=6, help="square hidden layers")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--rounds", type=int, default=20, help="steps per side; the median is reported")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="cProfile extra spmd steps on rank 0")
+    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.world_size),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env={**env, "RANK": str(r)}) for r in range(args.world_size)]
+    sys.exit(max(p.wait() for p in procs))
+
+
+if __name__ == "__main__":
+    main()

@@ -58,8 +58,16 @@ def spmd_sharding_rules() -> Mapping[Any, Any]:
 def spmd_strategies() -> Iterable[Any]:
     """Return parallelism strategies (DDP, FSDP, ...) that ``spmd.parallelize`` can apply by name.
 
-    Signature: ``spmd_strategies() -> Iterable[StrategySpec]`` (each has a ``name`` and ``apply``).
-    Called: the first time a strategy is looked up by name, on every rank.
+    Signature: ``spmd_strategies() -> Iterable[spmd.parallel.StrategySpec]`` (``name``,
+    ``apply(module, **options) -> module``, ``description``, ``overrides``).
+    Called: the first time a strategy is looked up by name (``spmd.parallel.get_strategy``),
+    on every rank. Two specs with one name are an error unless one sets ``overrides=True``.
+    The builtin plugin ``spmd.parallel.builtin`` provides ``ddp``.
+
+    DDP communication hooks are not specs: a plugin names its hooks at import with
+    ``spmd.parallel.comm_hooks.register_hook(name, hook)`` (a hook is
+    ``hook(state, bucket) -> spmd.Work``), and ``ddp.register_comm_hook(state, name)``
+    finds them once the plugins are loaded.
     """
 
 

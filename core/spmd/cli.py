@@ -1,4 +1,4 @@
-"""The ``spmd`` command: ``spmd run``, ``spmd plugins``, ``spmd doctor``."""
+"""The ``spmd`` command: ``spmd run``, ``spmd plugins``, ``spmd doctor``, ``spmd trace analyze``."""
 
 from __future__ import annotations
 
@@ -109,6 +109,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_trace_analyze(args: argparse.Namespace) -> int:
+    from spmd.debug import analyze
+
+    try:
+        result = analyze.analyze(analyze.load(args.directory))
+    except (FileNotFoundError, ValueError) as error:
+        print(f"spmd trace analyze: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else analyze.render(result))
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from spmd.launch import agent
     from spmd.launch.args import to_config
@@ -126,6 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     doctor.set_defaults(func=cmd_doctor)
     from spmd.launch.args import build_parser
 
+    trace = sub.add_parser("trace", help="flight-recorder dumps")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    analyze = trace_sub.add_parser("analyze", help="say who is stuck where, from every rank's dump")
+    analyze.add_argument("directory", help="the job's SPMD_TRACE_DIR")
+    analyze.add_argument("--json", action="store_true", help="machine-readable output")
+    analyze.set_defaults(func=cmd_trace_analyze)
     run = sub.add_parser("run", help="launch a training script on N workers per node (torchrun's flags)")
     build_parser(run)
     run.set_defaults(func=cmd_run)

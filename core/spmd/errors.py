@@ -29,3 +29,7 @@ class CollectiveTimeoutError(SpmdError, TimeoutError):
 
 class CollectiveError(SpmdError):
     """A backend reported a failure while running an operation."""
+
+
+class CollectiveDesyncError(SpmdError):
+    """Ranks of a group called different collectives (or shapes/dtypes) at one sequence number."""

@@ -19,6 +19,10 @@ from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp, check_reduce_op
 from spmd.comm.state import resolve_group
 from spmd.comm.work import Work
+from spmd.debug import desync
+from spmd.debug.recorder import Entry, recorder
+from spmd.debug.watchdog import diagnose
+from spmd.errors import CollectiveError, CollectiveTimeoutError, SpmdError
 
 _pool = BufferPool()
 
@@ -57,6 +61,8 @@ def _root(group: ProcessGroup, rank: int | None, group_rank: int | None, what: s
 
 
 def _describe(group: ProcessGroup, op: str, seq: int) -> str:
+    if seq < 0:
+        return f"{op} on group {group.name!r} (ranks {list(group.ranks)})"
     return f"{op} on group {group.name!r} (seq {seq}, ranks {list(group.ranks)})"
 
 
@@ -112,19 +118,55 @@ def _then(work: Work, after: Callable[[], None]) -> Work:
     return _ThenWork(work, after)
 
 
+def _begin(
+    group: ProcessGroup,
+    op: str,
+    tensors: Sequence[torch.Tensor],
+    reduce_op: ReduceOp | None = None,
+    root: int | None = None,
+) -> Entry:
+    """Take the next sequence number, record the op, and run the desync check if it is on."""
+    entry = recorder.start(group.name, group.next_seq(), op, tensors, reduce_op)
+    if desync.enabled():
+        desync.check(group, entry, root)
+    return entry
+
+
+def _explain_failure(group: ProcessGroup, entry: Entry, error: BaseException) -> BaseException:
+    """The kernel's error for a failed or timed-out op: the backend's message plus who is stuck where."""
+    if not isinstance(error, (CollectiveTimeoutError, CollectiveError)):
+        if isinstance(error, SpmdError) or not isinstance(error, Exception):
+            return error
+        # A backend's own exception (a peer vanished, a socket closed): name the op it broke.
+        error = CollectiveError(f"{_describe(group, entry.op, entry.seq)} failed in the backend: {type(error).__name__}: {error}")
+    what = "timed out" if isinstance(error, CollectiveTimeoutError) else "failed"
+    desc = _describe(group, entry.op, entry.seq)
+    text = str(error) if str(error).startswith(desc) else f"{desc} {what}: {error}"
+    explained = type(error)(f"{text}{diagnose(group, entry, what)}")
+    explained.__cause__ = error
+    return explained
+
+
 def _complete(
     work: Work,
     group: ProcessGroup,
     op: str,
-    seq: int,
+    entry: Entry,
     async_op: bool,
     after: Callable[[], None] | None = None,
 ) -> Work | None:
-    """Attach timeout and description to ``work``; wait for it unless ``async_op``."""
+    """Attach timeout, description and recorder entry to ``work``; wait for it unless ``async_op``."""
     work.default_timeout = group.timeout_s
+    seq = entry.seq
     work._describe = lambda: _describe(group, op, seq)  # formatted only if an error needs it
+    work._entry = entry
+    work._on_error = lambda error: _explain_failure(group, entry, error)
     if async_op:
-        return work if after is None else _then(work, after)
+        if after is not None:
+            work = _then(work, after)
+            work._on_error = lambda error: _explain_failure(group, entry, error)
+        recorder.watch(entry, work)
+        return work
     work.wait()  # the synchronous path waits natively, with no callback hop
     if after is not None:
         after()
@@ -202,15 +244,15 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Process
     _check_tensor(tensor, "tensor", "all_reduce")
     check_reduce_op(op, tensor.dtype)
     backend = g.backend_for(tensor)
-    seq = g.next_seq()
+    call = _begin(g, "all_reduce", (tensor,), op, None)
     native = _native_op(backend, op)
     if native is op and tensor.is_contiguous():  # the fast path: nothing to stage or finish
-        return _complete(backend.all_reduce(tensor, op), g, "all_reduce", seq, async_op)
+        return _complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op)
     staged = _Contiguous(tensor)
     work = backend.all_reduce(staged.tensor, native)
     steps = [_average(staged.tensor, g.size)] if native is not op else []
     steps += _staging_steps(staged, write_back=(staged,))
-    return _complete(work, g, "all_reduce", seq, async_op, _sequence(*steps))
+    return _complete(work, g, "all_reduce", call, async_op, _sequence(*steps))
 
 
 def reduce(
@@ -227,13 +269,13 @@ def reduce(
     check_reduce_op(op, tensor.dtype)
     root = _root(g, dst, group_dst, "dst", "reduce")
     backend = g.backend_for(tensor)
-    seq = g.next_seq()
+    call = _begin(g, "reduce", (tensor,), op, root)
     staged = _Contiguous(tensor)
     native = _native_op(backend, op)
     work = backend.reduce(staged.tensor, root, native)
     steps = [_average(staged.tensor, g.size)] if native is not op and g.rank == root else []
     steps += _staging_steps(staged, write_back=(staged,) if g.rank == root else ())
-    return _complete(work, g, "reduce", seq, async_op, _sequence(*steps))
+    return _complete(work, g, "reduce", call, async_op, _sequence(*steps))
 
 
 def reduce_scatter_tensor(
@@ -256,16 +298,16 @@ def reduce_scatter_tensor(
             f"as torch.empty(({g.size} * n, ...)) for an output of n rows"
         )
     backend = g.backend_for(input)
-    seq = g.next_seq()
+    call = _begin(g, "reduce_scatter_tensor", (input, output), op, None)
     native = _native_op(backend, op)
     if native is op and input.is_contiguous() and output.is_contiguous():
-        return _complete(backend.reduce_scatter_tensor(output, input, op), g, "reduce_scatter_tensor", seq, async_op)
+        return _complete(backend.reduce_scatter_tensor(output, input, op), g, "reduce_scatter_tensor", call, async_op)
     staged_in = _Contiguous(input)
     staged_out = _Contiguous(output, copy_in=False)
     work = backend.reduce_scatter_tensor(staged_out.tensor, staged_in.tensor, native)
     steps = [_average(staged_out.tensor, g.size)] if native is not op else []
     steps += _staging_steps(staged_out, staged_in, write_back=(staged_out,))
-    return _complete(work, g, "reduce_scatter_tensor", seq, async_op, _sequence(*steps))
+    return _complete(work, g, "reduce_scatter_tensor", call, async_op, _sequence(*steps))
 
 
 def reduce_scatter(
@@ -301,12 +343,12 @@ def broadcast(
     _check_tensor(tensor, "tensor", "broadcast")
     root = _root(g, src, group_src, "src", "broadcast")
     backend = g.backend_for(tensor)
-    seq = g.next_seq()
+    call = _begin(g, "broadcast", (tensor,), None, root)
     if tensor.is_contiguous():
-        return _complete(backend.broadcast(tensor, root), g, "broadcast", seq, async_op)
+        return _complete(backend.broadcast(tensor, root), g, "broadcast", call, async_op)
     staged = _Contiguous(tensor, copy_in=g.rank == root)
     work = backend.broadcast(staged.tensor, root)
-    return _complete(work, g, "broadcast", seq, async_op, _sequence(*_staging_steps(staged, write_back=(staged,))))
+    return _complete(work, g, "broadcast", call, async_op, _sequence(*_staging_steps(staged, write_back=(staged,))))
 
 
 def all_gather_into_tensor(
@@ -327,14 +369,14 @@ def all_gather_into_tensor(
             f"allocate it as torch.empty(({g.size} * n, ...)) or torch.empty(({g.size}, n, ...))"
         )
     backend = g.backend_for(input_tensor)
-    seq = g.next_seq()
+    call = _begin(g, "all_gather_into_tensor", (input_tensor, output_tensor), None, None)
     if input_tensor.is_contiguous() and output_tensor.is_contiguous():
-        return _complete(backend.all_gather_into_tensor(output_tensor, input_tensor), g, "all_gather_into_tensor", seq, async_op)
+        return _complete(backend.all_gather_into_tensor(output_tensor, input_tensor), g, "all_gather_into_tensor", call, async_op)
     staged_in = _Contiguous(input_tensor)
     staged_out = _Contiguous(output_tensor, copy_in=False)
     work = backend.all_gather_into_tensor(staged_out.tensor, staged_in.tensor)
     after = _sequence(*_staging_steps(staged_out, staged_in, write_back=(staged_out,)))
-    return _complete(work, g, "all_gather_into_tensor", seq, async_op, after)
+    return _complete(work, g, "all_gather_into_tensor", call, async_op, after)
 
 
 def _check_list(items: Sequence[torch.Tensor], g: ProcessGroup, like: torch.Tensor, what: str, op: str) -> None:
@@ -421,14 +463,14 @@ def all_to_all_single(
             f"{tuple(output.shape[1:])}; they must match"
         )
     backend = g.backend_for(input)
-    seq = g.next_seq()
+    call = _begin(g, "all_to_all_single", (input, output), None, None)
     if input.is_contiguous() and output.is_contiguous():
-        return _complete(backend.all_to_all_single(output, input, out_sizes, in_sizes), g, "all_to_all_single", seq, async_op)
+        return _complete(backend.all_to_all_single(output, input, out_sizes, in_sizes), g, "all_to_all_single", call, async_op)
     staged_in = _Contiguous(input)
     staged_out = _Contiguous(output, copy_in=False)
     work = backend.all_to_all_single(staged_out.tensor, staged_in.tensor, out_sizes, in_sizes)
     after = _sequence(*_staging_steps(staged_out, staged_in, write_back=(staged_out,)))
-    return _complete(work, g, "all_to_all_single", seq, async_op, after)
+    return _complete(work, g, "all_to_all_single", call, async_op, after)
 
 
 def all_to_all(
@@ -487,7 +529,7 @@ def gather(
     elif gather_list:
         raise ValueError(f"gather: only the destination rank ({root} in the group) passes gather_list")
     backend = g.backend_for(tensor)
-    seq = g.next_seq()
+    call = _begin(g, "gather", (tensor,), None, root)
     staged = _Contiguous(tensor)
     flat = _pool.acquire(tensor.numel() * g.size, tensor.dtype) if is_root else None
     packed = flat[: tensor.numel() * g.size] if flat is not None else None
@@ -501,7 +543,7 @@ def gather(
             _pool.release(flat)
         staged.release()
 
-    return _complete(work, g, "gather", seq, async_op, unpack)
+    return _complete(work, g, "gather", call, async_op, unpack)
 
 
 def scatter(
@@ -526,10 +568,10 @@ def scatter(
     elif scatter_list:
         raise ValueError(f"scatter: only the source rank ({root} in the group) passes scatter_list")
     backend = g.backend_for(tensor)
-    seq = g.next_seq()
+    call = _begin(g, "scatter", (tensor,), None, root)
     staged = _Contiguous(tensor, copy_in=False)
     work = backend.scatter(staged.tensor, packed, root)
-    return _complete(work, g, "scatter", seq, async_op, _sequence(*_staging_steps(staged, write_back=(staged,))))
+    return _complete(work, g, "scatter", call, async_op, _sequence(*_staging_steps(staged, write_back=(staged,))))
 
 
 def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids: object = None) -> Work | None:
@@ -537,5 +579,5 @@ def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_id
     g = resolve_group(group)
     device = "cpu" if g.backend_map is None or "cpu" in g.backend_map else next(iter(g.backend_map))
     backend = g.backend(device)
-    seq = g.next_seq()
-    return _complete(backend.barrier(), g, "barrier", seq, async_op)
+    call = _begin(g, "barrier", (), None, None)
+    return _complete(backend.barrier(), g, "barrier", call, async_op)

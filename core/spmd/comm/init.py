@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
+import threading
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -83,6 +85,7 @@ def init_process_group(
     group_name: str = "world",
     pg_options: Mapping[str, Any] | None = None,
     device_id: Any = None,
+    trace_dir: str | os.PathLike | None = None,
 ) -> ProcessGroup:
     """Join the job: rendezvous with the other ranks and create the world group.
 
@@ -92,7 +95,9 @@ def init_process_group(
     ``tcp://host:port``, ``file:///path``), an explicit ``store``, or the
     launcher's environment (``spmd run``, torchrun, mpiexec, srun). A plain
     ``python script.py`` with none of those runs as a world of one. Backends
-    are created lazily, on the first tensor of their device.
+    are created lazily, on the first tensor of their device. ``trace_dir``
+    is where flight-recorder dumps go (default ``$SPMD_TRACE_DIR`` or
+    ``./spmd_traces``).
     """
     if state.is_initialized():
         raise SpmdError("spmd is already initialised; call spmd.destroy_process_group() before init again")
@@ -125,7 +130,20 @@ def init_process_group(
     world = ProcessGroup(group_name, range(world_size), rank, store, timeout, backend_map, pg_options)
     state.set_state(state.WorldState(world=world, store=store, groups={group_name: world}))
     atexit.register(_close_at_exit)
+    _start_debugging(store, rank, trace_dir)
     return world
+
+
+def _start_debugging(store: tdist.Store, rank: int, trace_dir: str | os.PathLike | None) -> None:
+    """The watchdog thread, the trace directory, and SIGUSR1 as an on-demand dump."""
+    from spmd.debug import dump, watchdog
+
+    if trace_dir is not None:
+        os.environ["SPMD_TRACE_DIR"] = str(trace_dir)
+    watchdog.start(store, rank)
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
+        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGUSR1, lambda signum, frame: dump("SIGUSR1"))
 
 
 def _close_at_exit() -> None:
@@ -142,6 +160,9 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Tear down one group, or (with None) every group and the world; init may be called again."""
     current = state.get_state()
     if group is None or group is current.world:
+        from spmd.debug import watchdog
+
+        watchdog.stop()
         for g in list(current.groups.values()):
             g.close()
         state.set_state(None)

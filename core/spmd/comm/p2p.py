@@ -19,6 +19,7 @@ from spmd.comm.collectives import (
 from spmd.comm.group import ProcessGroup
 from spmd.comm.state import resolve_group
 from spmd.comm.work import Work, WorkList
+from spmd.debug.recorder import recorder
 
 
 def _check_tag(tag: int, op: str) -> None:
@@ -40,8 +41,9 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | No
     _check_tag(tag, "isend")
     peer = _peer(g, dst, group_dst, "dst", "isend")
     staged = _Contiguous(tensor)
+    entry = recorder.start(g.name, -1, "send", (tensor,), None, g.ranks[peer])
     work = g.backend_for(tensor).isend(staged.tensor, peer, tag)
-    result = _complete(work, g, f"isend to rank {g.ranks[peer]} (tag {tag})", -1, True, _sequence(*_staging_steps(staged)))
+    result = _complete(work, g, f"isend to rank {g.ranks[peer]} (tag {tag})", entry, True, _sequence(*_staging_steps(staged)))
     assert result is not None
     return result
 
@@ -55,9 +57,10 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | No
         raise ValueError("irecv: receiving from any source is not supported; pass src= (the sender's rank)")
     peer = _peer(g, src, group_src, "src", "irecv")
     staged = _Contiguous(tensor, copy_in=False)
+    entry = recorder.start(g.name, -1, "recv", (tensor,), None, g.ranks[peer])
     work = g.backend_for(tensor).irecv(staged.tensor, peer, tag)
     after = _sequence(*_staging_steps(staged, write_back=(staged,)))
-    result = _complete(work, g, f"irecv from rank {g.ranks[peer]} (tag {tag})", -1, True, after)
+    result = _complete(work, g, f"irecv from rank {g.ranks[peer]} (tag {tag})", entry, True, after)
     assert result is not None
     return result
 

@@ -52,6 +52,10 @@ class Work:
     default_timeout: float | None = None
     _description: str = "operation"
     _describe: Callable[[], str] | None = None
+    #: Set by the kernel: the flight-recorder entry this Work completes, and how to explain a failure.
+    _entry: Any = None
+    _on_error: Callable[[BaseException], BaseException] | None = None
+    _explained: BaseException | None = None
 
     @property
     def description(self) -> str:
@@ -121,6 +125,8 @@ class Work:
             self._value, self._error = value, error
             self._is_done = True
             event, callbacks, self._callbacks = self._event, self._callbacks, None
+        if self._entry is not None:
+            self._entry.finish(error)
         if event is not None:
             event.set()
         for callback in callbacks or ():
@@ -149,10 +155,21 @@ class Work:
         if limit is None:
             limit = self.default_timeout
         if not self._wait_native(limit):
-            raise timeout_error(self.description, limit)
+            error = timeout_error(self.description, limit)
+            if self._entry is not None:
+                self._entry.finish(error)
+            raise self._explain(error)
         if self._error is not None:
-            raise self._error
+            raise self._explain(self._error)
         return True
+
+    def _explain(self, error: BaseException) -> BaseException:
+        """The error to raise: the kernel's diagnosis of it when it has one (computed once)."""
+        if self._on_error is None:
+            return error
+        if self._explained is None:
+            self._explained = self._on_error(error)
+        return self._explained
 
     def is_completed(self) -> bool:
         """True once the operation finished, successfully or not."""

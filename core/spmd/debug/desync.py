@@ -1,0 +1,73 @@
+"""Desync checks: before each collective, all ranks compare what they are about to call.
+
+On (``SPMD_DESYNC_CHECK=1``) every collective costs one store ``set`` and a
+wait on the group's other keys — a store round trip per rank, on loopback
+about 0.2-1 ms per collective — so it is a debugging mode, off by default.
+A mismatch raises the same error, with every rank's call side by side, on
+every rank; a rank that never makes the call shows up as missing at the
+group's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+from spmd.debug.recorder import Entry
+from spmd.errors import CollectiveDesyncError, CollectiveTimeoutError
+
+#: Ops whose ranks may legitimately pass different shapes: only op and dtype must agree.
+_SHAPES_MAY_DIFFER = {"all_to_all_single", "gather", "scatter", "barrier"}
+
+
+def enabled() -> bool:
+    return os.environ.get("SPMD_DESYNC_CHECK", "0") not in ("", "0", "false")
+
+
+def _signature(entry: Entry, root: int | None) -> str:
+    if entry.op in _SHAPES_MAY_DIFFER:
+        dtypes = ",".join(str(d).removeprefix("torch.") for d in entry.dtypes)
+        text = f"{entry.op}({dtypes})"
+    else:
+        text = entry.signature()
+    return text + (f" root={root}" if root is not None else "")
+
+
+def check(group: Any, entry: Entry, root: int | None = None) -> None:
+    """Raise CollectiveDesyncError on every rank unless all ranks of ``group`` make the same call."""
+    from spmd.comm.state import get_state
+
+    store = get_state().store
+    prefix = f"spmd/debug/desync/{group.name}/{entry.seq}/"
+    mine = _signature(entry, root)
+    store.set(prefix + str(group.rank), mine)
+    keys = [prefix + str(r) for r in range(group.size)]
+    try:
+        store.wait(keys, timedelta(seconds=group.timeout_s))
+    except Exception as error:  # noqa: BLE001 - turned into the named error
+        missing = [group.ranks[r] for r, key in enumerate(keys) if not store.check([key])]
+        raise CollectiveTimeoutError(
+            f"desync check: {entry.op} on group {group.name!r} seq {entry.seq}: ranks {missing} never made "
+            f"this call within {group.timeout_s:.1f} s (this rank calls {mine})"
+        ) from error
+    calls = [store.get(key).decode() for key in keys]
+    if entry.seq >= 2:
+        store.delete_key(f"spmd/debug/desync/{group.name}/{entry.seq - 2}/{group.rank}")
+    if len(set(calls)) > 1:
+        # Every rank is about to raise (and maybe exit); let all finish reading first, since
+        # the rank hosting the store takes it along when it exits.
+        try:
+            store.add(prefix + "read", 1)
+            deadline = time.monotonic() + 2.0
+            while int(store.add(prefix + "read", 0)) < group.size and time.monotonic() < deadline:
+                time.sleep(0.01)
+        except Exception:  # noqa: BLE001 - a faster rank left with the store; we read what we need
+            pass
+        table = "\n".join(f"    rank {group.ranks[r]}: {call}" for r, call in enumerate(calls))
+        raise CollectiveDesyncError(
+            f"ranks disagree on collective #{entry.seq} of group {group.name!r}:\n{table}\n"
+            "every rank of a group must make the same collective calls, in the same order, "
+            "with matching shapes and dtypes"
+        )

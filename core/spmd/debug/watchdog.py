@@ -1,0 +1,194 @@
+"""The watchdog: publishes this rank's progress, serves dump requests, and explains stuck ops.
+
+One daemon thread per process, started by ``spmd.init``. Every interval it
+polls outstanding async Works (so the recorder sees them complete), writes
+this rank's per-group progress and a heartbeat to the store, and dumps the
+flight recorder when any rank asked for dumps. It uses its own store client,
+so a main thread blocked in the store never stalls it. ``diagnose`` runs in
+the waiting thread when a Work times out or fails: it reads every member's
+progress and names who never arrived, who diverged, and who looks dead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as tdist
+
+from spmd.debug.dump import dump
+from spmd.debug.recorder import Entry, recorder
+
+PROGRESS_KEY = "spmd/debug/progress/{rank}"
+DUMP_COUNTER = "spmd/debug/dump_requests"
+DUMP_REASON = "spmd/debug/dump_reason"
+DUMPED_KEY = "spmd/debug/dumped/{rank}"  # the last request number this rank served
+
+
+def _interval() -> float:
+    return float(os.environ.get("SPMD_WATCHDOG_INTERVAL", "1.0"))
+
+
+def _own_client(store: tdist.Store) -> tdist.Store:
+    """A second connection to the job's store, so the watchdog never queues behind the main thread."""
+    if isinstance(store, tdist.TCPStore):
+        return tdist.TCPStore(store.host, store.port, None, False, timedelta(seconds=10))
+    return store
+
+
+class Watchdog:
+    """The per-process watchdog thread."""
+
+    def __init__(self, store: tdist.Store, rank: int, interval: float | None = None) -> None:
+        self.rank = rank
+        self.interval = interval if interval is not None else _interval()
+        self.client = _own_client(store)
+        self.lock = threading.Lock()  # one user of the client at a time: the thread or a diagnosis
+        self.seen_requests = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="spmd-watchdog", daemon=True)
+
+    def start(self) -> None:
+        with self.lock:
+            self.seen_requests = int(self.client.add(DUMP_COUNTER, 0))
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the store may be gone at shutdown; never kill the job
+                if self.stopped.is_set():
+                    return
+
+    def tick(self) -> None:
+        recorder.poll_outstanding()
+        payload = json.dumps({"t": time.time(), "progress": recorder.progress})
+        with self.lock:
+            self.client.set(PROGRESS_KEY.format(rank=self.rank), payload)
+            requests = int(self.client.add(DUMP_COUNTER, 0))
+            reason = self.client.get(DUMP_REASON).decode() if requests > self.seen_requests else ""
+        if requests > self.seen_requests:
+            self.seen_requests = requests
+            dump(reason or "requested by another rank")
+            with self.lock:
+                self.client.set(DUMPED_KEY.format(rank=self.rank), str(requests))
+
+    # -- used from the waiting thread -------------------------------------------------------
+    def request_dumps(self, reason: str) -> int:
+        """Ask every rank to dump (and dump here); returns the request number."""
+        with self.lock:
+            self.client.set(DUMP_REASON, reason)
+            request = int(self.client.add(DUMP_COUNTER, 1))
+            self.seen_requests = request
+        dump(reason)
+        with self.lock:
+            self.client.set(DUMPED_KEY.format(rank=self.rank), str(request))
+        return request
+
+    def await_dumps(self, ranks: list[int], request: int, deadline: float) -> None:
+        """Wait (bounded) until ``ranks`` served ``request``, so their dumps exist before this rank
+        raises and perhaps exits (taking the store it hosts with it)."""
+        keys = {r: DUMPED_KEY.format(rank=r) for r in ranks if r != self.rank}
+        while keys and time.monotonic() < deadline:
+            with self.lock:
+                done = [r for r, k in keys.items() if self.client.check([k]) and int(self.client.get(k)) >= request]
+            for r in done:
+                keys.pop(r)
+            if keys:
+                time.sleep(0.02)
+
+    def read_progress(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
+        keys = {r: PROGRESS_KEY.format(rank=r) for r in ranks}
+        out: dict[int, dict[str, Any] | None] = {}
+        with self.lock:
+            for r, key in keys.items():
+                out[r] = json.loads(self.client.get(key)) if self.client.check([key]) else None
+        return out
+
+
+_watchdog: Watchdog | None = None
+
+
+def start(store: tdist.Store, rank: int) -> Watchdog | None:
+    """Start the process's watchdog (unless ``SPMD_WATCHDOG=0``)."""
+    global _watchdog
+    if os.environ.get("SPMD_WATCHDOG", "1") == "0":
+        return None
+    _watchdog = Watchdog(store, rank)
+    _watchdog.start()
+    return _watchdog
+
+
+def stop() -> None:
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
+
+
+def current() -> Watchdog | None:
+    return _watchdog
+
+
+def diagnose(group: Any, entry: Entry, what: str) -> str:
+    """Why ``entry`` on ``group`` is stuck or failed, from every member's published progress.
+
+    Publishes this rank's own progress first (so the others' diagnoses see it)
+    and asks every rank to dump its flight recorder.
+    """
+    dog = _watchdog
+    if dog is None:
+        return " (watchdog off: no view of the other ranks; set SPMD_WATCHDOG=1)"
+    try:
+        dog.tick()  # peers stuck for a whole timeout have published their stuck state already
+        progress = dog.read_progress(list(group.ranks))
+    except Exception as error:  # noqa: BLE001 - a diagnosis must not hide the original error
+        return f" (could not read the other ranks' progress: {error})"
+    try:
+        request = dog.request_dumps(f"{what}: {entry.op} on group {group.name!r} seq {entry.seq} (rank {dog.rank})")
+        alive = [r for r, info in progress.items() if info is not None and time.time() - info["t"] <= 3 * dog.interval + 1]
+        dog.await_dumps(alive, request, time.monotonic() + min(1.5 * dog.interval + 0.2, 2.0))
+    except Exception:  # noqa: BLE001 - the store host may already be gone; the diagnosis stands
+        pass
+    now = time.time()
+    never, diverged, ahead, lines = [], [], [], []
+    for r in group.ranks:
+        info = progress.get(r)
+        if info is None:
+            never.append(r)
+            lines.append(f"    rank {r}: never published progress (not started, or died early)")
+            continue
+        age = now - info["t"]
+        state = info["progress"].get(group.name)
+        dead = f"; no heartbeat for {age:.1f} s (likely dead)" if age > 3 * dog.interval + 1 else ""
+        if state is None:
+            never.append(r)
+            lines.append(f"    rank {r}: no op on this group yet{dead}")
+            continue
+        started, started_op, done, done_op = state
+        if started < entry.seq:
+            never.append(r)
+        elif started == entry.seq and started_op != entry.op:
+            diverged.append(r)
+        elif started > entry.seq:
+            ahead.append(r)
+        last = f"last completed {done_op} #{done}" if done >= 0 else "nothing completed"
+        lines.append(f"    rank {r}: last started {started_op} #{started}, {last}{dead}")
+    summary = []
+    if never:
+        summary.append(f"ranks that never reached seq {entry.seq}: {never}")
+    if diverged:
+        summary.append(f"ranks that called a different op at seq {entry.seq}: {diverged}")
+    if ahead:
+        summary.append(f"ranks already past it: {ahead}")
+    return "\n  " + "; ".join(summary or ["every rank reached it (a backend-level problem?)"]) + "\n  per rank:\n" + "\n".join(lines) + (
+        "\n  flight-recorder dumps requested on every rank; run `spmd trace analyze <SPMD_TRACE_DIR>`"
+    )

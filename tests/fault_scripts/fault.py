@@ -1,0 +1,37 @@
+"""One rank misbehaves; every surviving rank must raise a named error in time. Prints RESULT json."""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+import spmd
+
+scenario, backend, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+spmd.init(backend, timeout=timeout)
+rank = spmd.get_rank()
+t = torch.ones(4)
+spmd.all_reduce(t)  # #0: everyone connected and in step
+result = {"rank": rank}
+start = time.monotonic()
+try:
+    if scenario == "skip" and rank == 2:
+        time.sleep(timeout + 3)  # skips collective #1: busy elsewhere, then leaves
+        result["skipped"] = True
+    elif scenario == "exit" and rank == 2:
+        os._exit(3)
+    elif scenario == "mismatch_op" and rank == 2:
+        spmd.all_gather_into_tensor(torch.empty(4 * spmd.get_world_size()), t)
+    elif scenario == "mismatch_shape" and rank == 2:
+        spmd.all_reduce(torch.ones(5))
+    else:
+        spmd.all_reduce(t)
+    result["error"] = None
+except Exception as error:  # noqa: BLE001 - the error is the result
+    result["error"] = type(error).__name__
+    result["message"] = str(error)
+result["elapsed"] = time.monotonic() - start
+print("RESULT " + json.dumps(result), flush=True)
+os._exit(0)  # peers may be wedged: do not wait in teardown

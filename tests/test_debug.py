@@ -1,0 +1,133 @@
+"""Hangs become named errors: fault scenarios on Gloo and on the isend/irecv-only backend, dumps, analysis."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import spmd
+from spmd.debug import analyze
+from spmd.debug.recorder import FlightRecorder
+
+SCRIPT = Path(__file__).parent / "fault_scripts" / "fault.py"
+TIMEOUT = 3.0
+
+
+def run_world(scenario: str, backend: str, trace_dir: Path, extra_env: dict[str, str] | None = None) -> dict[int, dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3", "OMP_NUM_THREADS": "1",
+                 "SPMD_TRACE_DIR": str(trace_dir), "SPMD_WATCHDOG_INTERVAL": "0.5", **(extra_env or {})})
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), scenario, backend, str(TIMEOUT)], env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(3)]
+    results = {}
+    for r, p in enumerate(procs):
+        out, err = p.communicate(timeout=60)
+        line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+        if line:
+            results[r] = json.loads(line[len("RESULT "):])
+    return results
+
+
+def analysis(trace_dir: Path) -> tuple[str, dict]:
+    out = subprocess.run([sys.executable, "-m", "spmd", "trace", "analyze", str(trace_dir)], capture_output=True, text=True, check=True).stdout
+    data = json.loads(subprocess.run([sys.executable, "-m", "spmd", "trace", "analyze", str(trace_dir), "--json"], capture_output=True, text=True, check=True).stdout)
+    return out, data
+
+
+BACKENDS = ["gloo", "p2p"]
+
+
+def _assert_named_in_time(result: dict, kinds: tuple[str, ...]) -> None:
+    assert result["error"] in kinds, result
+    assert result["elapsed"] < TIMEOUT + 2, result
+    assert "group 'world'" in result["message"] and "seq 1" in result["message"], result["message"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_that_skips_a_collective(tmp_path, backend):
+    results = run_world("skip", backend, tmp_path)
+    for r in (0, 1):
+        _assert_named_in_time(results[r], ("CollectiveTimeoutError",))
+        assert "all_reduce" in results[r]["message"]
+        assert "ranks that never reached seq 1: [2]" in results[r]["message"]
+    text, data = analysis(tmp_path)
+    world = next(g for g in data["groups"] if g["name"] == "world")
+    assert world["stuck_seq"] == 1
+    assert "never reached #1" in world["at_stuck"]["2"]
+    assert "stuck at #1" in text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_that_exits_mid_job(tmp_path, backend):
+    results = run_world("exit", backend, tmp_path)
+    assert 2 not in results
+    for r in (0, 1):
+        _assert_named_in_time(results[r], ("CollectiveTimeoutError", "CollectiveError"))
+    text, data = analysis(tmp_path)
+    assert data["ranks_without_dumps"] == [2]
+    assert "NO DUMP from ranks [2]" in text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_that_calls_a_different_collective(tmp_path, backend):
+    results = run_world("mismatch_op", backend, tmp_path)
+    for r in (0, 1, 2):
+        if results[r]["error"] is None:
+            # Gloo may pair an all_reduce with an all_gather of equal bytes; a survivor that
+            # finished early is not a hang, and the dumps must still show the divergence.
+            continue
+        _assert_named_in_time(results[r], ("CollectiveTimeoutError", "CollectiveError"))
+    _, data = analysis(tmp_path)
+    world = next(g for g in data["groups"] if g["name"] == "world")
+    assert world["divergence"]["seq"] == 1
+    calls = world["divergence"]["calls"]
+    assert calls["0"].startswith("all_reduce") and calls["2"].startswith("all_gather_into_tensor")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatched_shapes_in_debug_mode(tmp_path, backend):
+    results = run_world("mismatch_shape", backend, tmp_path, {"SPMD_DESYNC_CHECK": "1"})
+    for r in (0, 1, 2):
+        assert results[r]["error"] == "CollectiveDesyncError", results[r]
+        assert results[r]["elapsed"] < TIMEOUT + 2
+        message = results[r]["message"]
+        assert "ranks disagree on collective #1 of group 'world'" in message
+        assert "rank 0: all_reduce(float32; 4) SUM" in message and "rank 2: all_reduce(float32; 5) SUM" in message
+
+
+def test_dump_format_and_analysis_of_a_clean_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPMD_TRACE_DIR", str(tmp_path))
+    spmd.init("gloo")
+    try:
+        t = torch.ones(3)
+        spmd.all_reduce(t)
+        spmd.broadcast(t, src=0)
+        path = spmd.debug.dump("test")
+    finally:
+        spmd.destroy_process_group()
+    data = json.loads(path.read_text())
+    assert data["version"] == spmd.debug.dump_format_version == 1
+    ops = [(e["op"], e["state"]) for e in data["entries"] if e["group"] == "world"][-2:]
+    assert ops == [("all_reduce", "completed"), ("broadcast", "completed")]
+    result = analyze.analyze(analyze.load(tmp_path))
+    assert result["groups"][0]["stuck_seq"] is None
+
+
+def test_recorder_is_bounded_and_can_be_off():
+    rec = FlightRecorder(3)
+    for i in range(10):
+        rec.start("g", i, "all_reduce", (torch.ones(1),))
+    assert [e.seq for e in rec.entries] == [7, 8, 9]
+    off = FlightRecorder(0)
+    off.start("g", 0, "all_reduce", (torch.ones(1),))
+    assert not off.entries and off.progress["g"][0] == 0

@@ -26,7 +26,7 @@ class Entry:
 
     def __init__(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any, peer: int | None) -> None:
         self.group, self.seq, self.op = group, seq, op
-        self.shapes = [t.shape for t in tensors]
+        self.shapes = [t.shape for t in tensors]  # torch.Size is an immutable tuple: no copy
         self.dtypes = [t.dtype for t in tensors]
         self.reduce_op, self.peer = reduce_op, peer
         self.t_start = time.time()

@@ -24,11 +24,12 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
+
+from spmd.bench.timing import time_interleaved
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single")
 
@@ -86,20 +87,6 @@ def iterations(nbytes: int) -> int:
     return max(3, min(200, (8 << 20) // max(nbytes, 1)))
 
 
-def time_interleaved(sides, iters: int, barrier) -> list[list[float]]:
-    """Per-call times of every side, rotating the order call by call so drift and
-    position effects (the call right after another is measurably slower) hit all alike."""
-    logs: list[list[float]] = [[] for _ in sides]
-    barrier()
-    for i in range(iters):
-        for k in range(len(sides)):
-            j = (i + k) % len(sides)
-            start = time.perf_counter()
-            sides[j]()
-            logs[j].append(time.perf_counter() - start)
-    return logs
-
-
 def worker(args: argparse.Namespace) -> None:
     import spmd
 
@@ -119,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
             sides = [ours, raw, control]
             for side in sides:
                 side()  # warm-up: connections, staging buffers, page faults
-            t_ours, t_raw, t_ctl = time_interleaved(sides, iterations(nbytes) * args.rounds, barrier)
+            t_ours, t_raw, t_ctl = time_interleaved(sides, iterations(nbytes) * args.rounds, sync=barrier)
             med_ours, med_raw, med_ctl = (statistics.median(t) for t in (t_ours, t_raw, t_ctl))
             results.append({"op": op, "bytes": nbytes, "spmd_s": med_ours, "raw_s": med_raw, "ratio": med_ours / med_raw,
                             "control_ratio": med_ctl / med_raw})

@@ -109,6 +109,41 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_bench_collectives(args: argparse.Namespace) -> int:
+    from spmd.bench import report, runner
+    from spmd.bench.ops import OPS
+    from spmd.bench.timing import size_sweep
+
+    names = args.backend.split(",") if args.backend else runner.installed_runnable()
+    ops = args.ops.split(",") if args.ops else list(OPS)
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        print(f"spmd bench: unknown ops {unknown}; choose from {', '.join(OPS)}", file=sys.stderr)
+        return 2
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else size_sweep(args.min_bytes, args.max_bytes, args.step_factor)
+    rows: list[dict[str, Any]] = []
+    skipped = {}
+    for name in names:
+        try:
+            rows += runner.run_backend(name, args.nproc, ops, sizes, args.budget, args.vs_raw, not args.json, args.timeout)
+        except Exception as error:  # noqa: BLE001 - one backend failing must not hide the others
+            skipped[name] = str(error)
+            print(f"spmd bench: skipping {name}: {error}", file=sys.stderr)
+    rows = report.enrich(rows)
+    if args.json:
+        print(json.dumps({"rows": rows, "skipped": skipped}, indent=1))
+    else:
+        print(report.tables(rows, names))
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write(report.to_csv(rows))
+    if args.plot and rows:
+        report.plot(rows, args.plot)
+        if not args.json:
+            print(f"\nplot written to {args.plot}")
+    return 0 if rows else 1
+
+
 def cmd_trace_analyze(args: argparse.Namespace) -> int:
     from spmd.debug import analyze
 
@@ -138,6 +173,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     doctor.set_defaults(func=cmd_doctor)
     from spmd.launch.args import build_parser
 
+    bench = sub.add_parser("bench", help="nccl-tests-style benchmarks of every backend")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    coll = bench_sub.add_parser("collectives", help="time each collective over a size sweep, per backend, side by side")
+    coll.add_argument("--backend", default=None, help="comma-separated backends (default: every installed one usable here)")
+    coll.add_argument("--ops", default=None, help="comma-separated ops (default: all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast, all_to_all_single, sendrecv)")
+    coll.add_argument("--nproc", type=int, default=2, help="ranks to launch (ignored inside spmd run/mpiexec)")
+    coll.add_argument("--min-bytes", type=int, default=4)
+    coll.add_argument("--max-bytes", type=int, default=64 << 20)
+    coll.add_argument("--step-factor", type=int, default=4, help="size multiplier between steps (2 doubles)")
+    coll.add_argument("--sizes", default=None, help="explicit comma-separated sizes in bytes (overrides the sweep)")
+    coll.add_argument("--budget", type=float, default=0.04, help="seconds of measuring per op, size and backend")
+    coll.add_argument("--vs-raw", action="store_true", help="also time the raw library beneath, alternating, and print spmd/raw")
+    coll.add_argument("--json", action="store_true", help="print JSON only (no progress, no tables)")
+    coll.add_argument("--csv", default=None, metavar="FILE", help="also write the rows as CSV")
+    coll.add_argument("--plot", default=None, metavar="PNG", help="draw bus bandwidth against size (needs matplotlib)")
+    coll.add_argument("--timeout", type=float, default=600.0, help="seconds per backend before giving up")
+    coll.set_defaults(func=cmd_bench_collectives)
     trace = sub.add_parser("trace", help="flight-recorder dumps")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
     analyze = trace_sub.add_parser("analyze", help="say who is stuck where, from every rank's dump")

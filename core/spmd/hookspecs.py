@@ -102,6 +102,20 @@ def spmd_cluster_environments() -> Iterable[Any]:
     """
 
 
+@hookspec
+def spmd_bench_peers() -> Mapping[str, Any]:
+    """Return raw-library peers for ``spmd bench --vs-raw``, keyed by backend name.
+
+    Signature: ``spmd_bench_peers() -> Mapping[str, Callable[[spmd.bench.PeerContext], Mapping[str, Callable]]]``.
+    Called: by ``spmd bench`` in each rank after ``spmd.init``, for the backend under test only.
+    Returns: per backend name, a factory that builds, for the current world, a mapping from op
+    name (``all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``broadcast``,
+    ``all_to_all_single``, ``sendrecv``) to ``make(nbytes) -> call()``: ``make`` allocates buffers
+    once, ``call`` runs one blocking op with the raw library under the backend (torch's
+    ProcessGroupGloo, mpi4py, ucxx, ...), so spmd's overhead can be measured against it.
+    """
+
+
 #: Every hook name, for the docs meta-test and for ``spmd plugins``.
 HOOK_NAMES = (
     "spmd_backends",
@@ -110,4 +124,5 @@ HOOK_NAMES = (
     "spmd_schedules",
     "spmd_storages",
     "spmd_cluster_environments",
+    "spmd_bench_peers",
 )

@@ -81,6 +81,9 @@ class BackendSpec:
     capabilities: frozenset[str] | None = None
     description: str = ""
     overrides: bool = False
+    #: A command prefix that starts this backend's ranks (``("mpiexec", "-n", "{nproc}")``),
+    #: for tools that launch jobs themselves (``spmd bench``); None means plain processes.
+    launch: tuple[str, ...] | None = None
 
     def native_ops(self) -> frozenset[str]:
         """The collectives this backend implements natively (declared, or read off its class)."""

@@ -43,7 +43,8 @@ class P2PBackend(spmd.Backend):
 
     def close(self) -> None:
         super().close()
-        self._waiters.shutdown(wait=False, cancel_futures=True)
+        self._waiters.shutdown(wait=True, cancel_futures=True)  # no thread may outlive the group
+        self._pg = None  # release Gloo here, in the caller's thread, not at interpreter exit
 
 
 @spmd.hookimpl

@@ -40,3 +40,11 @@ def spmd_backends() -> Iterable[spmd.BackendSpec]:
             description="Gloo over TCP (torch's ProcessGroupGloo); the default CPU backend",
         )
     ]
+
+
+@spmd.hookimpl
+def spmd_bench_peers():  # type: ignore[no-untyped-def]
+    """The raw peer for ``spmd bench --vs-raw``: torch's ProcessGroupGloo on the same buffers' shapes."""
+    from spmd_gloo.bench_peer import raw_gloo_ops
+
+    return {"gloo": raw_gloo_ops}

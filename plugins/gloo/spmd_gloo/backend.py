@@ -43,6 +43,8 @@ def _allreduce_options(op: tdist.ReduceOp) -> tdist.AllreduceOptions:
     return opts
 
 
+_ALLTOALL_OPTIONS = tdist.AllToAllOptions()
+
 #: Built once: creating options objects per call is measurable at 4-byte sizes.
 _ALLREDUCE_OPTIONS = {op: _allreduce_options(native) for op, native in _GLOO_OPS.items()}
 
@@ -226,9 +228,12 @@ class GlooBackend(Backend):
         if output.numel() == 0 and input.numel() == 0:
             return super().all_to_all_single(output, input, output_split_sizes, input_split_sizes)
         out, inp = _rows_as_bytes(output), _rows_as_bytes(input)
-        native = self.pg.alltoall_base(
-            out, inp, list(output_split_sizes), list(input_split_sizes), tdist.AllToAllOptions()
-        )
+        out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
+        if len(set(out_splits)) == 1 and len(set(in_splits)) == 1:
+            # Equal splits take Gloo's alltoall path; explicit splits take alltoallv, measured
+            # here at ~4 ms instead of ~0.25 ms for 1 KiB-256 KiB messages between 2 ranks.
+            out_splits, in_splits = [], []
+        native = self.pg.alltoall_base(out, inp, out_splits, in_splits, _ALLTOALL_OPTIONS)
         return self._wrap(native, (out, inp))
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> Work:

@@ -1,0 +1,68 @@
+"""Launch the ranks of each backend's measurement and collect rank 0's results.
+
+Each backend gets its own set of processes (native stacks such as MPI's and
+UCX's must not share one process). A backend whose spec carries ``launch``
+(a command prefix such as ``("mpiexec", "-n", "{nproc}")``) is started
+through it; the rest as plain processes with torchrun's variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from spmd.comm.registry import backends
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def installed_runnable(device: str = "cpu") -> list[str]:
+    """Backends for ``device`` that are usable here, highest priority first."""
+    entries = [e for e in backends().entries() if device in e.spec.devices and e.spec.unavailable_reason() is None]
+    return [e.spec.name for e in sorted(entries, key=lambda e: (-e.spec.priority, e.spec.name))]
+
+
+def run_backend(backend: str, nproc: int, ops: list[str], sizes: list[int], budget: float, vs_raw: bool, progress: bool, timeout: float) -> list[dict[str, Any]]:
+    """Start ``nproc`` ranks for ``backend`` and return rank 0's rows."""
+    spec = backends().get(backend).spec
+    reason = spec.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"backend {backend!r} cannot run here: {reason}")
+    with tempfile.TemporaryDirectory(prefix="spmd-bench-") as tmp:
+        out = Path(tmp) / "results.json"
+        worker = [sys.executable, "-m", "spmd.bench.worker", "--backend", backend, "--ops", ",".join(ops),
+                  "--sizes", ",".join(map(str, sizes)), "--budget", str(budget), "--out", str(out)]
+        if vs_raw:
+            worker.append("--vs-raw")
+        if progress:
+            worker.append("--progress")
+        base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", "1")})
+        launch = getattr(spec, "launch", None)
+        if launch:
+            cmd = [part.format(nproc=nproc) for part in launch] + worker
+            procs = [subprocess.Popen(cmd, env=base)]
+        else:
+            procs = [
+                subprocess.Popen(worker, env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc)})
+                for r in range(nproc)
+            ]
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"backend {backend!r}: the benchmark did not finish within {timeout:.0f} s") from None
+        if any(codes) or not out.exists():
+            raise RuntimeError(f"backend {backend!r}: benchmark ranks failed (exit codes {codes})")
+        return json.loads(out.read_text())

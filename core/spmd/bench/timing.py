@@ -1,0 +1,80 @@
+"""How spmd measures: alternate the sides call by call, take medians, report nccl-tests bandwidths.
+
+Bandwidths follow nccl-tests (``doc/PERFORMANCE.md`` there): ``algbw = size / time``
+and ``busbw = algbw * factor``, with factor ``2(n-1)/n`` for all_reduce,
+``(n-1)/n`` for all_gather, reduce_scatter and all_to_all, and 1 for
+broadcast and send/recv. ``size`` is the bytes of the largest buffer of the
+op on one rank: the tensor for all_reduce and broadcast, the output of
+all_gather, the input of reduce_scatter and all_to_all, the message of send/recv.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PeerContext:
+    """What a raw-library peer needs to build its side: the world and a private store prefix."""
+
+    rank: int
+    world_size: int
+    store: Any
+    timeout_s: float
+
+
+def size_sweep(min_bytes: int = 4, max_bytes: int = 64 << 20, factor: int = 4) -> list[int]:
+    """4 B .. 64 MiB, multiplying by ``factor`` (2 doubles, 4 is the default)."""
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    if sizes and sizes[-1] != max_bytes and max_bytes > min_bytes:
+        sizes.append(max_bytes)
+    return sizes
+
+
+BUS_FACTORS: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather_into_tensor": lambda n: (n - 1) / n,
+    "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "all_to_all_single": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "sendrecv": lambda n: 1.0,
+}
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    return BUS_FACTORS[op](world_size) if world_size > 1 else 1.0
+
+
+def time_interleaved(sides: Sequence[Callable[[], object]], iters: int, sync: Callable[[], object] | None = None) -> list[list[float]]:
+    """Per-call seconds of every side, rotating the order each round.
+
+    Alternating call by call makes machine noise and position effects (the
+    call right after another is measurably slower on a loaded host) hit every
+    side alike, which is what makes a ratio between them meaningful.
+    """
+    logs: list[list[float]] = [[] for _ in sides]
+    if sync is not None:
+        sync()
+    for i in range(iters):
+        for k in range(len(sides)):
+            j = (i + k) % len(sides)
+            start = time.perf_counter()
+            sides[j]()
+            logs[j].append(time.perf_counter() - start)
+    return logs
+
+
+def iterations_for(estimate_s: float, budget_s: float, lo: int = 5, hi: int = 400) -> int:
+    """How many calls fit a time budget, given one warm call's duration."""
+    return max(lo, min(hi, int(budget_s / max(estimate_s, 1e-6))))
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    return {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples), "n": len(samples)}

@@ -1,0 +1,113 @@
+"""What every rank runs for one backend: each op over the size sweep, spmd and the raw peer alternating."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import spmd
+from spmd.bench.ops import spmd_ops
+from spmd.bench.timing import PeerContext, iterations_for, summarize, time_interleaved
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}"
+        n //= 1024
+    return f"{n}"
+
+
+def raw_peer(backend: str, ctx: PeerContext) -> dict[str, Callable[[int], Callable[[], object]]] | None:
+    """The raw-library makers a plugin offers for ``backend`` (``spmd_bench_peers``), or None."""
+    from spmd.plugins import manager
+
+    for _, peers in manager().hook_results("spmd_bench_peers"):
+        factory = peers.get(backend)
+        if factory is not None:
+            return dict(factory(ctx))
+    return None
+
+
+def _agree_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    spmd.all_reduce(t, op=spmd.ReduceOp.MAX)
+    return float(t.item())
+
+
+def run(backend: str, ops: list[str], sizes: list[int], budget_s: float, vs_raw: bool, progress: bool) -> list[dict[str, Any]]:
+    """Measure; every rank returns the same list (rank 0's medians)."""
+    rank, world = spmd.get_rank(), spmd.get_world_size()
+    ours_all = spmd_ops(world, rank)
+    raw_all = None
+    if vs_raw:
+        import torch.distributed as tdist
+
+        from spmd.comm.state import get_state
+
+        store = tdist.PrefixStore("bench-raw/", get_state().store)
+        raw_all = raw_peer(backend, PeerContext(rank, world, store, 120.0))
+    results = []
+    for op in ops:
+        if op == "sendrecv" and world < 2:
+            continue
+        for nbytes in sizes:
+            if progress and rank == 0:
+                print(f"\r[{backend}] {op:24s} {_human(nbytes):>9s}   ", end="", file=sys.stderr, flush=True)
+            ours = ours_all[op](nbytes)
+            raw = raw_all[op](nbytes) if raw_all and op in raw_all else None
+            sides = [ours] + ([raw] if raw is not None else [])
+            for side in sides:
+                side()  # warm-up: connections, staging buffers, page faults
+            start = spmd_time(ours)
+            iters = iterations_for(_agree_max(start), budget_s / len(sides))
+            logs = time_interleaved(sides, iters, sync=spmd.barrier)
+            scale = 0.5 if op == "sendrecv" else 1.0  # ping-pong: report one direction
+            row: dict[str, Any] = {"backend": backend, "op": op, "bytes": nbytes, "world_size": world}
+            row.update({k: (v * scale if k != "n" else v) for k, v in summarize(logs[0]).items()})
+            if raw is not None:
+                raw_stats = summarize(logs[1])
+                row["raw_median_s"] = raw_stats["median_s"] * scale
+                row["ratio_vs_raw"] = row["median_s"] / row["raw_median_s"]
+            results.append(row)
+    if progress and rank == 0:
+        print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+    return results
+
+
+def spmd_time(call: Callable[[], object]) -> float:
+    import time
+
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--ops", required=True)
+    parser.add_argument("--sizes", required=True)
+    parser.add_argument("--budget", type=float, default=0.05)
+    parser.add_argument("--vs-raw", action="store_true")
+    parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    spmd.init(args.backend, timeout=120)
+    try:
+        results = run(args.backend, args.ops.split(","), [int(s) for s in args.sizes.split(",")], args.budget, args.vs_raw, args.progress)
+        if spmd.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump(results, f)
+    finally:
+        spmd.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

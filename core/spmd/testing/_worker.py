@@ -16,6 +16,8 @@ def main(argv: list[str]) -> None:
     address, authkey, rank_s, size_s, backend, store_port, timeout_s = argv
     host, port = address.rsplit(":", 1)
     rank, size = int(rank_s), int(size_s)
+    if rank < 0:  # started by a job launcher (World(launcher=...)): it says which rank this is
+        rank = _launched_rank(size)
     torch.set_num_threads(1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(authkey))
     conn.send(rank)
@@ -48,6 +50,19 @@ def main(argv: list[str]) -> None:
             conn.send(("error", traceback.format_exc()))
         else:
             conn.send(("ok", result))
+
+
+def _launched_rank(size: int) -> int:
+    """This process's rank as the launcher that started it announced it (mpiexec, srun, ...)."""
+    from spmd.launch.environments import detect_launch
+
+    detected = detect_launch()
+    if detected is None:
+        raise SystemExit("spmd.testing worker: rank -1 needs a launcher environment, but none was detected")
+    name, info = detected
+    if info.world_size != size:
+        raise SystemExit(f"spmd.testing worker: the {name} launcher started {info.world_size} ranks, the World wants {size}")
+    return info.rank
 
 
 if __name__ == "__main__":

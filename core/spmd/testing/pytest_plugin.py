@@ -5,7 +5,7 @@
         results = world.run(my_module_level_function, arg)
 
 The function must be importable (module level) because it is pickled by
-reference. Worlds are pooled per (world size, backend) for the session, the
+reference. Worlds are pooled per (world size, backend, launcher) for the session, the
 least recently used one is closed when more than ``MAX_LIVE`` are up, and a
 world that failed or timed out is replaced by a fresh one on next use.
 """
@@ -13,7 +13,7 @@ world that failed or timed out is replaced by a fresh one on next use.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -23,19 +23,19 @@ MAX_LIVE = 2
 
 
 class WorldPool:
-    """Live Worlds keyed by (world size, backend), least recently used closed first."""
+    """Live Worlds keyed by (world size, backend, launcher), least recently used closed first."""
 
     def __init__(self) -> None:
-        self._worlds: OrderedDict[tuple[int, str | None], World] = OrderedDict()
+        self._worlds: OrderedDict[tuple[int, str | None, tuple[str, ...] | None], World] = OrderedDict()
 
-    def get(self, world_size: int, backend: str | None) -> World:
-        key = (world_size, backend)
+    def get(self, world_size: int, backend: str | None, launcher: Sequence[str] | None = None) -> World:
+        key = (world_size, backend, tuple(launcher) if launcher else None)
         world = self._worlds.pop(key, None)
         if world is None or not world.alive:
             while len(self._worlds) >= MAX_LIVE:
                 _, oldest = self._worlds.popitem(last=False)
                 oldest.close()
-            world = World(world_size, backend)
+            world = World(world_size, backend, launcher=key[2])
         self._worlds[key] = world
         return world
 
@@ -55,9 +55,19 @@ def spmd_world_pool() -> Iterator[WorldPool]:
 
 
 @pytest.fixture
-def spmd_world(spmd_world_pool: WorldPool) -> Callable[[int, str | None], World]:
-    """A factory: ``spmd_world(world_size, backend)`` -> a live, pooled World."""
-    return spmd_world_pool.get
+def spmd_world(spmd_world_pool: WorldPool, request: pytest.FixtureRequest) -> Callable[..., World]:
+    """A factory: ``spmd_world(world_size, backend)`` -> a live, pooled World.
+
+    A test class may set ``spmd_launcher`` (e.g. ``("mpiexec", "-n", "{n}")``) to
+    start its worlds through that launcher; ``spmd_world(n, backend, launcher=...)``
+    overrides it per call.
+    """
+    default = getattr(request.cls, "spmd_launcher", None) if request.cls is not None else None
+
+    def get(world_size: int, backend: str | None, launcher: Sequence[str] | None = default) -> World:
+        return spmd_world_pool.get(world_size, backend, launcher)
+
+    return get
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -6,6 +6,12 @@ runs on every rank at once; its per-rank return values come back as a list.
 An exception on any rank fails the run with that rank's traceback; a run that
 outlives its timeout kills the world (the pool starts a fresh one) and names
 the ranks that never finished.
+
+``launcher`` starts the ranks through a job launcher instead of one
+subprocess each: ``World(4, "mpi", launcher=["mpiexec", "-n", "{n}"])`` runs
+one ``mpiexec`` whose processes take their rank from the launcher's
+environment (through the cluster-environment plugins); ``{n}`` in any
+argument becomes the world size.
 """
 
 from __future__ import annotations
@@ -13,11 +19,12 @@ from __future__ import annotations
 import os
 import pickle
 import secrets
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
@@ -49,11 +56,14 @@ class World:
         collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
         env: Mapping[str, str] | None = None,
         start_timeout: float = 60.0,
+        launcher: Sequence[str] | None = None,
     ) -> None:
         self.world_size = world_size
         self.backend = backend
+        self.launcher = tuple(launcher) if launcher else None
         self.alive = False
         self._procs: list[subprocess.Popen] = []
+        self._rank_procs: list[subprocess.Popen] = []  # the process that hosts each rank
         self._conns: list[Connection] = []
         authkey = secrets.token_bytes(16)
         self._store = tdist.TCPStore("127.0.0.1", 0, world_size, True, timedelta(seconds=start_timeout), wait_for_workers=False)
@@ -62,14 +72,24 @@ class World:
         worker_env.setdefault("OMP_NUM_THREADS", "1")
         worker_env.update(env or {})
         host, port = self._listener.address
+
+        def worker_cmd(rank: int) -> list[str]:
+            return [
+                sys.executable, "-m", "spmd.testing._worker",
+                f"{host}:{port}", authkey.hex(), str(rank), str(world_size),
+                backend or "", str(self._store.port), str(collective_timeout),
+            ]
+
         try:
-            for rank in range(world_size):
-                cmd = [
-                    sys.executable, "-m", "spmd.testing._worker",
-                    f"{host}:{port}", authkey.hex(), str(rank), str(world_size),
-                    backend or "", str(self._store.port), str(collective_timeout),
-                ]
-                self._procs.append(subprocess.Popen(cmd, env=worker_env))
+            if self.launcher is None:
+                for rank in range(world_size):
+                    self._procs.append(subprocess.Popen(worker_cmd(rank), env=worker_env))
+                self._rank_procs = list(self._procs)
+            else:
+                # One launcher process runs every rank; rank -1 tells workers to ask their environment.
+                prefix = [arg.replace("{n}", str(world_size)) for arg in self.launcher]
+                self._procs.append(subprocess.Popen([*prefix, *worker_cmd(-1)], env=worker_env))
+                self._rank_procs = self._procs * world_size
             deadline = time.monotonic() + start_timeout
             self._conns = self._accept_all(deadline)
             self._collect(list(range(world_size)), deadline, "start-up")
@@ -94,7 +114,7 @@ class World:
         thread.start()
         while thread.is_alive():
             thread.join(0.05)
-            dead = [r for r, p in enumerate(self._procs) if p.poll() is not None and r not in conns]
+            dead = [r for r, p in enumerate(self._rank_procs) if p.poll() is not None and r not in conns]
             if dead or time.monotonic() > deadline:
                 self._listener.close()
                 reason = f"ranks {dead} exited during start-up" if dead else "start-up timed out"
@@ -127,7 +147,7 @@ class World:
                 try:
                     status, payload = conn.recv()  # type: ignore[union-attr,call-arg]
                 except (EOFError, OSError):
-                    code = self._procs[rank].poll()
+                    code = self._rank_procs[rank].poll()
                     errors[rank] = f"worker process exited (code {code}) without reporting"
                     continue
                 if status == "ok":
@@ -148,6 +168,8 @@ class World:
     def kill(self) -> None:
         """Stop every worker at once (used after a failure or timeout)."""
         self.alive = False
+        if self.launcher is not None:
+            self._stop_launched()
         for proc in self._procs:
             if proc.poll() is None:
                 proc.kill()
@@ -157,6 +179,29 @@ class World:
             except subprocess.TimeoutExpired:
                 pass
         self._release()
+
+    def _stop_launched(self) -> None:
+        """Stop a launcher and the processes it started (launchers may detach them).
+
+        The launcher gets SIGTERM, which job launchers forward to their ranks;
+        whatever of its process tree is left after a grace period is killed.
+        """
+        for proc in self._procs:
+            if proc.poll() is not None:
+                continue
+            tree = _descendants(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            for pid, started in tree:
+                if _start_time(pid) != started:
+                    continue  # gone (or its pid now belongs to another process)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def close(self) -> None:
         """Ask workers to exit cleanly, then kill what remains."""
@@ -187,3 +232,41 @@ class World:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (tells a process from a later one with its pid)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:].split()[19]
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every live descendant of ``pid``; empty where /proc is missing."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[tuple[int, str]] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            started = _start_time(child)
+            if started is not None:
+                found.append((child, started))
+            todo.append(child)
+    return found

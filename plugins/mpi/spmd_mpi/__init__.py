@@ -1,0 +1,63 @@
+"""spmd-mpi: MPI (through mpi4py) behind spmd's Backend contract, every collective native.
+
+This module never imports mpi4py: importing ``mpi4py.MPI`` loads libmpi (and
+the UCX the MPI wheels bundle) and initialises MPI, so it happens only in the
+backend factory, the first time a group uses the ``mpi`` backend. ``spmd
+plugins`` lists this plugin and ``spmd doctor`` says what to install even
+where mpi4py is absent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import spmd
+from spmd_mpi import probe
+
+
+def _available() -> str | None:
+    """None where MPI can run this process's job, else why not (``spmd doctor`` prints it).
+
+    MPI ranks must be started by MPI's launcher; a process that torchrun,
+    ``spmd run`` or a plain srun started as one of several ranks is an MPI
+    singleton, so MPI reports itself unusable there and ``spmd.init()`` picks
+    the next backend. A plain process (a world of one) may use MPI.
+    """
+    reason = probe.mpi4py_missing() or probe.library_missing()
+    if reason is not None:
+        return reason
+    other = probe.foreign_launcher()
+    if other is not None:
+        return (
+            f"this process was started by {other}, not by an MPI launcher: MPI ranks must be "
+            "started with `mpiexec -n N python script.py` (or srun --mpi=pmi2/pmix); under this "
+            "launcher use another backend, e.g. spmd.init('gloo')"
+        )
+    return None
+
+
+def _factory(ctx: spmd.BackendContext) -> spmd.Backend:
+    from spmd_mpi.backend import MpiBackend
+
+    return MpiBackend(ctx)
+
+
+def _capabilities() -> frozenset[str]:
+    from spmd_mpi.backend import MpiBackend
+
+    return MpiBackend.native_ops()
+
+
+@spmd.hookimpl
+def spmd_backends() -> Iterable[spmd.BackendSpec]:
+    return [
+        spmd.BackendSpec(
+            name="mpi",
+            devices=("cpu",),
+            factory=_factory,
+            priority=20,  # above gloo: spmd.init() under mpiexec picks MPI
+            available=_available,
+            capabilities=_capabilities(),
+            description=probe.describe(),
+        )
+    ]

@@ -59,5 +59,14 @@ def spmd_backends() -> Iterable[spmd.BackendSpec]:
             available=_available,
             capabilities=_capabilities(),
             description=probe.describe(),
+            launch=probe.launch_prefix("{nproc}"),  # how tools such as `spmd bench` start MPI ranks
         )
     ]
+
+
+@spmd.hookimpl
+def spmd_bench_peers():  # type: ignore[no-untyped-def]
+    """The raw peer for ``spmd bench --vs-raw``: mpi4py's blocking calls on the same buffers."""
+    from spmd_mpi.bench_peer import raw_mpi_ops
+
+    return {"mpi": raw_mpi_ops}

@@ -57,6 +57,7 @@ _STAGED = frozenset({torch.float16, torch.bfloat16})
 
 #: Serialises MPI_Test on one request between threads (a waiter and the watcher).
 _TEST_LOCK = threading.Lock()
+_acquire, _release = _TEST_LOCK.acquire, _TEST_LOCK.release
 
 _yield = os.sched_yield if hasattr(os, "sched_yield") else (lambda: time.sleep(0))
 _monotonic = time.monotonic
@@ -162,19 +163,24 @@ class MpiWork(Work):
     request completes, then runs ``after(ok)`` (a staging copy-back) once.
     """
 
+    # Class-level defaults: each instance sets only what differs (creation is on the hot path).
+    _after: Callable[[bool], None] | None = None
+    _claimed = False
+    _watched = False
+
     def __init__(self, request: Any, keep: object = None, after: Callable[[bool], None] | None = None) -> None:
         Work.__init__(self)
         self._request = request
         self._keep = keep
-        self._after = after
-        self._claimed = False
-        self._watched = False
+        if after is not None:
+            self._after = after
 
     def _try(self) -> int:
         """Test once: 0 still running, 1 finished, 2 another thread is finishing it."""
         if self._is_done:
             return 1
-        with _TEST_LOCK:
+        _acquire()
+        try:
             if self._claimed:
                 return 2
             try:
@@ -184,7 +190,13 @@ class MpiWork(Work):
             except MPI.Exception as failure:
                 error = failure
             self._claimed = True
-        self._complete(error)
+        finally:
+            _release()
+        if error is None and self._after is None:
+            self._request = self._keep = None
+            self._finish(None, None)
+        else:
+            self._complete(error)
         return 1
 
     def _complete(self, error: Any) -> None:
@@ -202,7 +214,8 @@ class MpiWork(Work):
         self._finish(None, failure)
 
     def _wait_native(self, timeout: float | None) -> bool:
-        state = self._try()
+        try_ = self._try
+        state = try_()
         if state == 1:
             return True
         start = _monotonic()
@@ -212,7 +225,6 @@ class MpiWork(Work):
         spin_until = start + SPIN_S
         spins = 0
         delay = 1e-6
-        try_ = self._try
         while True:
             if spins < _PURE_SPINS:
                 spins += 1
@@ -424,9 +436,10 @@ class MpiBackend(Backend):
         table = _REDUCE.get(id(op))
         entry = table.get(tensor.dtype) if table is not None else None
         if entry is not None:
-            if tensor.numel() == 0:
+            nbytes = tensor.nbytes
+            if not nbytes:
                 return Work.completed()
-            request = self._iallreduce(self._in_place, [self._buffer(tensor.data_ptr(), tensor.nbytes), entry[0]], entry[1])
+            request = self._iallreduce(self._in_place, [self._buffer(tensor.data_ptr(), nbytes), entry[0]], entry[1])
             return MpiWork(request, tensor)
         if tensor.dtype in _STAGED and table is not None:
             if tensor.numel() == 0:
@@ -459,9 +472,13 @@ class MpiBackend(Backend):
         table = _REDUCE.get(id(op))
         entry = table.get(input.dtype) if table is not None else None
         if entry is not None:
-            if output.numel() == 0:
+            out_bytes = output.nbytes
+            if not out_bytes:
                 return Work.completed()
-            request = self._ireduce_scatter_block(self._typed(input, entry[0]), self._typed(output, entry[0]), entry[1])
+            buffer, mpi_type = self._buffer, entry[0]
+            request = self._ireduce_scatter_block(
+                [buffer(input.data_ptr(), input.nbytes), mpi_type], [buffer(output.data_ptr(), out_bytes), mpi_type], entry[1]
+            )
             return MpiWork(request, (output, input))
         if input.dtype in _STAGED and table is not None:
             if output.numel() == 0:
@@ -484,15 +501,17 @@ class MpiBackend(Backend):
 
     # -- data movement -------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
-        if tensor.numel() == 0:
+        nbytes = tensor.nbytes
+        if not nbytes:
             return Work.completed()
-        return MpiWork(self._ibcast(self._buffer(tensor.data_ptr(), tensor.nbytes), src), tensor)
+        return MpiWork(self._ibcast(self._buffer(tensor.data_ptr(), nbytes), src), tensor)
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
-        if input.numel() == 0:
+        nbytes = input.nbytes
+        if not nbytes:
             return Work.completed()
         buffer = self._buffer
-        request = self._iallgather(buffer(input.data_ptr(), input.nbytes), buffer(output.data_ptr(), output.nbytes))
+        request = self._iallgather(buffer(input.data_ptr(), nbytes), buffer(output.data_ptr(), output.nbytes))
         return MpiWork(request, (output, input))
 
     def all_to_all_single(
@@ -505,9 +524,7 @@ class MpiBackend(Backend):
         buffer = self._buffer
         out_data = buffer(output.data_ptr(), output.nbytes)
         in_data = buffer(input.data_ptr(), input.nbytes)
-        first_in = input_split_sizes[0] if len(input_split_sizes) else 0
-        first_out = output_split_sizes[0] if len(output_split_sizes) else 0
-        if all(s == first_in for s in input_split_sizes) and all(s == first_out for s in output_split_sizes):
+        if _even(input_split_sizes) and _even(output_split_sizes):
             if input.numel() == 0 and output.numel() == 0:
                 return Work.completed()  # even splits: every rank's tensors are empty alike
             return MpiWork(self._ialltoall(in_data, out_data), (output, input))
@@ -552,6 +569,11 @@ class MpiBackend(Backend):
                 comm.Free()
             except MPI.Exception:  # pragma: no cover - nothing useful to do at teardown
                 pass
+
+
+def _even(splits: Sequence[int]) -> bool:
+    """True when every rank gets the same number of rows (``Ialltoall`` needs no counts)."""
+    return not splits or splits.count(splits[0]) == len(splits)
 
 
 def _counts(splits: Sequence[int], row_bytes: int) -> tuple[list[int], list[int]]:

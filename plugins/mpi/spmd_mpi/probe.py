@@ -280,6 +280,24 @@ def find_mpiexec() -> tuple[str | None, str]:
     return None, "; ".join(reasons)
 
 
+def launch_prefix(n: str = "{nproc}") -> tuple[str, ...] | None:
+    """A launcher prefix for the BackendSpec, found without running anything (cheap at plugin load).
+
+    The first candidate mpiexec (next to the interpreter, the MPI wheel's, PATH),
+    with Open MPI's flags when the installed wheel is Open MPI's; None without mpi4py.
+    """
+    if mpi4py_missing() is not None:
+        return None
+    candidates = _candidate_mpiexecs()
+    if not candidates:
+        return None
+    command = [candidates[0], "-n", n]
+    wheel = wheel_mpi()
+    if wheel is not None and wheel[1] == "Open MPI":
+        command[1:1] = ["--oversubscribe"] + (["--allow-run-as-root"] if _is_root() else [])
+    return tuple(command)
+
+
 def _is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 

@@ -1,0 +1,421 @@
+"""The backend's host-side logic without a GPU: a fake NCCL and fake CUDA streams and events.
+
+What runs on the device (the NCCL kernels, real events) is covered by
+test_nccl_gpu.py on a GPU machine; this file covers what spmd-nccl decides on
+the host: stream ordering, event-based completion, timeouts and aborts, async
+errors, queued point-to-point flushed as one NCCL group, ncclInProgress
+settling, and teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("spmd_nccl", reason="spmd-nccl is not installed (pip install -e plugins/nccl)")
+
+import torch.distributed as tdist  # noqa: E402
+from spmd_nccl import backend as nb  # noqa: E402
+from spmd_nccl import library  # noqa: E402
+
+from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError  # noqa: E402
+
+
+# -- fakes ---------------------------------------------------------------------------------
+class FakeStream:
+    count = 0
+
+    def __init__(self, device: Any = None, name: str = "internal") -> None:
+        FakeStream.count += 1
+        self.cuda_stream = 0x1000 + FakeStream.count
+        self.name = name
+        self.log: list[tuple[str, Any]] = []
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(("wait_stream", other.name))
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.log.append(("wait_event", event))
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+        self.stream: FakeStream | None = None
+
+    def record(self, stream: FakeStream) -> None:
+        self.stream = stream
+
+    def query(self) -> bool:
+        return self.done
+
+
+class FakeCuda:
+    def __init__(self) -> None:
+        self.caller = FakeStream(name="caller")
+        self.capturing = False
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    fake = FakeCuda()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.caller)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: fake.capturing)
+    return fake
+
+
+class FakeLib:
+    """Enough of NcclLibrary for the Communicator: records calls, returns scripted results."""
+
+    version = library.version_code(2, 32, 3)
+    version_string = "2.32.3"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.results: dict[str, list[int]] = {}  # name -> results to return, in order (then success)
+        self.async_states: list[int] = []  # what ncclCommGetAsyncError reports next (then success)
+        self.lock = threading.Lock()
+        names = ["ncclAllReduce", "ncclSend", "ncclRecv", "ncclGroupStart", "ncclGroupEnd", "ncclCommSplit"]
+        self.functions = {name: self._recorder(name) for name in names}
+
+    def _recorder(self, name: str) -> Any:
+        def call(*args: Any) -> int:
+            with self.lock:
+                self.calls.append((name, args))
+                queue = self.results.get(name)
+                return queue.pop(0) if queue else library.ncclSuccess
+
+        return call
+
+    def names(self) -> list[str]:
+        with self.lock:
+            return [name for name, _ in self.calls]
+
+    def has(self, name: str) -> bool:
+        return True
+
+    def describe(self, result: int, comm: Any = None) -> str:
+        return f"{library.RESULT_NAMES[result]}: fake"
+
+    def config(self, **values: Any) -> ctypes.Structure:
+        return library.make_config(self.version, **values)
+
+    def ncclCommGetAsyncError(self, handle: Any, state: Any) -> int:  # noqa: N802 - NCCL's name
+        with self.lock:
+            self.calls.append(("ncclCommGetAsyncError", ()))
+            state._obj.value = self.async_states.pop(0) if self.async_states else library.ncclSuccess
+        return library.ncclSuccess
+
+    def ncclCommAbort(self, handle: Any) -> int:  # noqa: N802
+        return self._recorder("ncclCommAbort")(handle)
+
+    def ncclCommFinalize(self, handle: Any) -> int:  # noqa: N802
+        return self._recorder("ncclCommFinalize")(handle)
+
+    def ncclCommDestroy(self, handle: Any) -> int:  # noqa: N802
+        return self._recorder("ncclCommDestroy")(handle)
+
+
+@pytest.fixture
+def lib() -> FakeLib:
+    return FakeLib()
+
+
+@pytest.fixture
+def comms(cuda: FakeCuda, lib: FakeLib) -> Iterator[list[nb.Communicator]]:
+    made: list[nb.Communicator] = []
+    yield made
+    for comm in made:
+        comm._stopped = True
+        comm._wake.set()
+        comm._thread.join(timeout=5)
+
+
+def make(comms: list[nb.Communicator], lib: FakeLib, timeout_s: float = 30.0) -> nb.Communicator:
+    comm = nb.Communicator(lib, ctypes.c_void_p(0xC0FFEE), torch.device("cuda", 0), 0, 2, timeout_s, "g", False)  # type: ignore[arg-type]
+    comms.append(comm)
+    return comm
+
+
+def all_reduce(comm: nb.Communicator, keep: object = None) -> nb.NcclWork:
+    def issue() -> None:
+        comm.call("ncclAllReduce", 0x10, 0x10, 4, 7, 0, comm.handle, comm.stream_handle)
+
+    return comm.launch(issue, keep)
+
+
+def eventually(predicate: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+# -- streams, events, completion -------------------------------------------------------------------
+def test_an_op_waits_for_the_callers_stream_and_completes_with_its_event(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    keep = torch.ones(3)
+    work = all_reduce(comm, keep)
+    assert comm.stream.log[0] == ("wait_stream", "caller")  # ordered after the caller's work
+    name, args = lib.calls[0]
+    assert name == "ncclAllReduce" and args[-1].value == comm.stream.cuda_stream  # on the internal stream
+    assert work._cuda_event is not None and work._cuda_event.stream is comm.stream
+    assert not work.is_completed() and work._keep_alive is keep  # the tensor is held while NCCL may use it
+    work._cuda_event.done = True
+    assert eventually(work.is_completed)
+    assert work._keep_alive is None and work.exception() is None
+    assert eventually(lambda: not comm._outstanding)  # the watcher dropped it too
+
+
+def test_wait_without_timeout_is_a_stream_wait(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    work = all_reduce(comm)
+    start = time.perf_counter()
+    assert work.wait() is True
+    assert time.perf_counter() - start < 0.5
+    assert cuda.caller.log == [("wait_event", work._cuda_event)]  # the caller's stream waits; the CPU does not
+    assert not work.is_completed()
+
+
+def test_the_watcher_completes_works_nobody_waits_for(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    works = [all_reduce(comm) for _ in range(3)]
+    for work in works:
+        work._cuda_event.done = True
+    assert eventually(lambda: all(w._is_done for w in works))
+
+
+def test_wait_with_timeout_aborts_and_raises_the_named_error(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    work = all_reduce(comm)
+    other = all_reduce(comm)
+    start = time.perf_counter()
+    with pytest.raises(CollectiveTimeoutError, match=r"did not complete within 0\.2 s .*ncclCommAbort"):
+        work.wait(timeout=0.2)
+    assert 0.15 < time.perf_counter() - start < 3
+    assert lib.names().count("ncclCommAbort") == 1 and comm.handle is None
+    assert isinstance(other.exception(), CollectiveTimeoutError)  # everything running on it failed too
+    with pytest.raises(CollectiveTimeoutError, match="was aborted after an earlier failure"):
+        all_reduce(comm)
+
+
+def test_the_watcher_aborts_an_op_that_outlives_the_group_timeout(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib, timeout_s=0.3)
+    work = all_reduce(comm)
+    work.wait()  # a stream wait: nobody blocks on the CPU, the watcher still notices
+    assert eventually(lambda: comm.error is not None)
+    assert isinstance(work.exception(), CollectiveTimeoutError)
+    assert "spmd-nccl's watcher aborted the communicator" in str(work.exception())
+    with pytest.raises(CollectiveTimeoutError):
+        work.wait()
+
+
+def test_an_async_nccl_error_aborts_and_fails_running_ops(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    work = all_reduce(comm)
+    lib.async_states = [library.ncclRemoteError]
+    assert eventually(lambda: work._is_done)
+    error = work.exception()
+    assert isinstance(error, nb.NcclError) and error.code == library.ncclRemoteError
+    assert "asynchronous error" in str(error)
+    with pytest.raises(CollectiveError, match="aborted after an earlier failure") as raised:
+        all_reduce(comm)
+    assert not isinstance(raised.value, CollectiveTimeoutError)
+
+
+def test_is_completed_queries_the_event(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    comm._stopped = True  # no watcher: only is_completed() can notice
+    work = all_reduce(comm)
+    assert not work.is_completed()
+    work._cuda_event.done = True
+    assert work.is_completed() and work.exception() is None
+
+
+def test_wait_with_timeout_returns_once_the_event_completes(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    comm._stopped = True
+    work = all_reduce(comm)
+    threading.Timer(0.1, lambda: setattr(work._cuda_event, "done", True)).start()
+    assert work.wait(timeout=5) is True
+    assert comm.error is None
+
+
+# -- point-to-point -----------------------------------------------------------------------------
+def test_p2p_is_queued_then_issued_as_one_group_on_wait(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    send = comm.post_p2p(True, torch.zeros(8, dtype=torch.uint8), 1)
+    recv = comm.post_p2p(False, torch.zeros(4, dtype=torch.uint8), 1)
+    assert "ncclSend" not in lib.names()  # nothing issued yet: a ring of irecv-then-isend must not deadlock
+    recv.wait()
+    assert lib.names()[:4] == ["ncclGroupStart", "ncclSend", "ncclRecv", "ncclGroupEnd"]
+    assert lib.calls[1][1][1] == 8 and lib.calls[2][1][1] == 4  # byte counts
+    assert send._cuda_event is recv._cuda_event is not None
+    waits = [entry for entry in comm.stream.log if entry[0] == "wait_event"]
+    assert len(waits) == 2  # each op waited for what the caller's stream had when it was posted
+
+
+def test_the_watcher_flushes_p2p_nobody_waits_for(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    send = comm.post_p2p(True, torch.zeros(8, dtype=torch.uint8), 1)
+    assert eventually(lambda: send._cuda_event is not None)
+    assert "ncclSend" in lib.names()
+
+
+def test_a_collective_issues_queued_p2p_first(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    comm._stopped = True
+    comm.post_p2p(True, torch.zeros(8, dtype=torch.uint8), 1)
+    all_reduce(comm)
+    assert lib.names() == ["ncclGroupStart", "ncclSend", "ncclGroupEnd", "ncclAllReduce"]
+
+
+# -- NCCL results -------------------------------------------------------------------------------------
+def test_in_progress_is_polled_until_success(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    comm._stopped = True
+    lib.results["ncclAllReduce"] = [library.ncclInProgress]
+    lib.async_states = [library.ncclInProgress, library.ncclInProgress, library.ncclSuccess]
+    all_reduce(comm)
+    assert lib.names().count("ncclCommGetAsyncError") == 3
+    assert comm.error is None
+
+
+def test_in_progress_past_the_timeout_aborts(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib, timeout_s=0.2)
+    comm._stopped = True
+    lib.results["ncclAllReduce"] = [library.ncclInProgress]
+    lib.async_states = [library.ncclInProgress] * 100000
+    with pytest.raises(CollectiveTimeoutError, match="still in progress after 0.2 s"):
+        all_reduce(comm)
+    assert comm.handle is None and "ncclCommAbort" in lib.names()
+
+
+def test_an_invalid_argument_fails_the_call_but_keeps_the_communicator(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    lib.results["ncclAllReduce"] = [library.ncclInvalidArgument]
+    with pytest.raises(nb.NcclError, match="ncclAllReduce failed on group 'g' .*ncclInvalidArgument"):
+        all_reduce(comm)
+    assert comm.error is None and comm.handle is not None
+    all_reduce(comm)  # still usable
+
+
+def test_a_system_error_aborts(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    lib.results["ncclAllReduce"] = [library.ncclSystemError]
+    with pytest.raises(nb.NcclError, match="ncclSystemError"):
+        all_reduce(comm)
+    assert comm.handle is None and "ncclCommAbort" in lib.names()
+
+
+def test_group_end_runs_even_when_a_call_inside_fails(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    comm._stopped = True
+    lib.results["ncclSend"] = [library.ncclInvalidArgument]
+    work = comm.post_p2p(True, torch.zeros(8, dtype=torch.uint8), 1)
+    with pytest.raises(nb.NcclError):
+        work.wait()
+    assert lib.names()[-1] == "ncclGroupEnd"  # NCCL's group depth is per thread: never leave it open
+    assert isinstance(work.exception(), nb.NcclError)
+
+
+# -- capture and teardown -------------------------------------------------------------------------------
+def test_ops_captured_in_a_graph_are_not_tracked(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    cuda.capturing = True
+    work = all_reduce(comm, torch.ones(2))
+    assert work._captured and work._keep_alive is None and not comm._outstanding
+    work.wait()
+    assert work.is_completed()  # "done" in a capture means: ordered before what follows
+    assert cuda.caller.log[-1] == ("wait_event", work._cuda_event)
+
+
+def test_close_finalizes_then_destroys(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    comm = make(comms, lib)
+    work = all_reduce(comm)
+    comm.close()
+    assert lib.names()[-3:] == ["ncclCommFinalize", "ncclCommGetAsyncError", "ncclCommDestroy"]
+    assert work.is_completed() and work.exception() is None
+    assert comm.handle is None
+    with pytest.raises(CollectiveError, match="was closed"):
+        all_reduce(comm)
+    comm.close()  # twice is fine
+
+
+def test_close_aborts_when_finalize_cannot_finish(cuda: FakeCuda, lib: FakeLib, comms: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    comm = make(comms, lib)
+    monkeypatch.setattr(nb, "CLOSE_TIMEOUT", 0.2)
+    lib.results["ncclCommFinalize"] = [library.ncclInProgress]
+    lib.async_states = [library.ncclInProgress] * 100000
+    comm.close()
+    assert "ncclCommAbort" in lib.names() and "ncclCommDestroy" not in lib.names()
+
+
+# -- bootstrap ------------------------------------------------------------------------------------------
+@pytest.fixture
+def real_lib() -> library.NcclLibrary:
+    try:
+        return library.load()
+    except library.NcclLibraryError as error:
+        pytest.skip(f"no NCCL library: {error}")
+
+
+def test_rank_0_shares_the_unique_id_through_the_store(real_lib: library.NcclLibrary) -> None:
+    store = tdist.PrefixStore("spmd/world/cuda/", tdist.HashStore())
+    got: dict[int, bytes] = {}
+
+    def rank(r: int) -> None:
+        got[r] = bytes(nb.exchange_unique_id(real_lib, store, r, timedelta(seconds=10), "world"))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (2, 1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert len(got) == 3 and got[0] == got[1] == got[2] and len(got[0]) == 128
+
+
+def test_a_rank_0_failure_reaches_every_rank(real_lib: library.NcclLibrary, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tdist.HashStore()
+
+    def broken() -> None:
+        raise library.NcclLibraryError("ncclGetUniqueId failed: ncclSystemError: no network interface")
+
+    monkeypatch.setattr(real_lib, "unique_id", broken)
+    with pytest.raises(BackendUnavailableError, match="no network interface"):
+        nb.exchange_unique_id(real_lib, store, 0, timedelta(seconds=5), "world")
+    with pytest.raises(BackendUnavailableError, match="rank 0 of group 'world' could not create the NCCL unique id: .*no network interface"):
+        nb.exchange_unique_id(real_lib, store, 1, timedelta(seconds=5), "world")
+
+
+def test_a_missing_rank_0_is_a_named_timeout(real_lib: library.NcclLibrary) -> None:
+    with pytest.raises(CollectiveTimeoutError, match="rank 1 of group 'sub' waited 0.3 s for rank 0's NCCL unique id"):
+        nb.exchange_unique_id(real_lib, tdist.HashStore(), 1, timedelta(seconds=0.3), "sub")
+
+
+def test_await_ready_polls_then_aborts_at_the_deadline(lib: FakeLib) -> None:
+    lib.async_states = [library.ncclInProgress, library.ncclSuccess]
+    nb.await_ready(lib, ctypes.c_void_p(1), time.monotonic() + 5, "init")  # type: ignore[arg-type]
+    lib.async_states = [library.ncclInProgress] * 100000
+    with pytest.raises(CollectiveTimeoutError, match="init did not finish in time"):
+        nb.await_ready(lib, ctypes.c_void_p(1), time.monotonic() + 0.1, "init")  # type: ignore[arg-type]
+    assert "ncclCommAbort" in lib.names()
+    lib.async_states = [library.ncclInternalError]
+    with pytest.raises(nb.NcclError, match="init failed: ncclInternalError"):
+        nb.await_ready(lib, ctypes.c_void_p(1), time.monotonic() + 5, "init")  # type: ignore[arg-type]

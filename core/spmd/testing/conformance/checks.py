@@ -286,7 +286,7 @@ def check_barrier(g: ProcessGroup, rec: Recorder) -> None:
         key = f"barrier/{token[0]}/{round_}"
 
         def body(async_op: bool, key=key) -> None:  # type: ignore[no-untyped-def]
-            store.set(f"{key}/{g.rank}", "1")
+            store.add(f"{key}/{g.rank}", 1)  # add waits for the server; TCPStore.set does not
             _done(spmd.barrier(group=g, async_op=async_op))
             missing = [i for i in range(g.size) if not store.check([f"{key}/{i}"])]
             if missing:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from spmd_mpi import probe
+import pytest
+
+probe = pytest.importorskip("spmd_mpi.probe", reason="spmd-mpi is not installed: pip install -e 'plugins/mpi[mpich]'")
 
 
 def _find() -> tuple[tuple[str, ...] | None, str]:

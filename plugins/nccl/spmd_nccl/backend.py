@@ -28,10 +28,12 @@ Point-to-point
     ``ncclSend``/``ncclRecv`` block the GPU until the peer posts the matching
     call, so issuing each at once on one stream deadlocks an exchange as plain
     as a ring. isend/irecv are therefore queued and issued together in one
-    ``ncclGroupStart``/``ncclGroupEnd`` at the next flush: a ``wait`` or
-    ``is_completed`` on one of them, the next collective, ``close``, or the
-    watcher after ``P2P_FLUSH_DELAY``. NCCL matches messages between two ranks
-    in the order they were posted; it has no tags, so the tag is ignored.
+    ``ncclGroupStart``/``ncclGroupEnd`` at the next flush: a ``wait`` on one of
+    them, the next collective, ``close``, or the watcher once nothing new was
+    posted for ``P2P_FLUSH_DELAY`` (``is_completed`` never flushes: the
+    kernel's watchdog calls it from another thread, mid-burst). NCCL matches
+    messages between two ranks in the order they were posted; it has no tags,
+    so the tag is ignored.
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ log = logging.getLogger("spmd.nccl")
 
 #: Store key (under the group's prefixed store) for rank 0's ncclUniqueId.
 UNIQUE_ID_KEY = "nccl/unique_id"
-#: Seconds a queued isend/irecv may wait for a flush before the watcher issues it.
-P2P_FLUSH_DELAY = 0.002
+#: Seconds after the last isend/irecv was posted before the watcher issues the queue by itself
+#: (for a send nobody waits on). Measured from the last post, so a burst posted together
+#: (irecv, isend) is never split: split, each rank's lone irecv could block its stream.
+P2P_FLUSH_DELAY = 0.05
 #: The watcher's poll interval while ops are outstanding, and its idle check interval.
 POLL_INTERVAL = 0.001
 IDLE_INTERVAL = 0.5
@@ -532,7 +536,7 @@ class Communicator:
     def _poll_once(self) -> None:
         now = time.monotonic()
         pending = self._pending
-        if pending and now - pending[0].posted_at >= P2P_FLUSH_DELAY and not any(p.captured for p in pending):
+        if pending and now - pending[-1].posted_at >= P2P_FLUSH_DELAY and not any(p.captured for p in pending):
             if self.lock.acquire(blocking=False):
                 try:
                     if self._pending and not any(p.captured for p in self._pending):

@@ -105,6 +105,11 @@ class FakeLib:
         with self.lock:
             return [name for name, _ in self.calls]
 
+    def issued(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """The calls other than the watcher's ncclCommGetAsyncError polls."""
+        with self.lock:
+            return [(name, args) for name, args in self.calls if name != "ncclCommGetAsyncError"]
+
     def has(self, name: str) -> bool:
         return True
 
@@ -173,7 +178,7 @@ def test_an_op_waits_for_the_callers_stream_and_completes_with_its_event(cuda: F
     keep = torch.ones(3)
     work = all_reduce(comm, keep)
     assert comm.stream.log[0] == ("wait_stream", "caller")  # ordered after the caller's work
-    name, args = lib.calls[0]
+    name, args = lib.issued()[0]
     assert name == "ncclAllReduce" and args[-1].value == comm.stream.cuda_stream  # on the internal stream
     assert work._cuda_event is not None and work._cuda_event.stream is comm.stream
     assert not work.is_completed() and work._keep_alive is keep  # the tensor is held while NCCL may use it
@@ -264,8 +269,9 @@ def test_p2p_is_queued_then_issued_as_one_group_on_wait(cuda: FakeCuda, lib: Fak
     recv = comm.post_p2p(False, torch.zeros(4, dtype=torch.uint8), 1)
     assert "ncclSend" not in lib.names()  # nothing issued yet: a ring of irecv-then-isend must not deadlock
     recv.wait()
-    assert lib.names()[:4] == ["ncclGroupStart", "ncclSend", "ncclRecv", "ncclGroupEnd"]
-    assert lib.calls[1][1][1] == 8 and lib.calls[2][1][1] == 4  # byte counts
+    issued = lib.issued()
+    assert [name for name, _ in issued[:4]] == ["ncclGroupStart", "ncclSend", "ncclRecv", "ncclGroupEnd"]
+    assert issued[1][1][1] == 8 and issued[2][1][1] == 4  # byte counts
     assert send._cuda_event is recv._cuda_event is not None
     waits = [entry for entry in comm.stream.log if entry[0] == "wait_event"]
     assert len(waits) == 2  # each op waited for what the caller's stream had when it was posted
@@ -283,7 +289,7 @@ def test_a_collective_issues_queued_p2p_first(cuda: FakeCuda, lib: FakeLib, comm
     comm._stopped = True
     comm.post_p2p(True, torch.zeros(8, dtype=torch.uint8), 1)
     all_reduce(comm)
-    assert lib.names() == ["ncclGroupStart", "ncclSend", "ncclGroupEnd", "ncclAllReduce"]
+    assert [name for name, _ in lib.issued()] == ["ncclGroupStart", "ncclSend", "ncclGroupEnd", "ncclAllReduce"]
 
 
 # -- NCCL results -------------------------------------------------------------------------------------
@@ -331,7 +337,7 @@ def test_group_end_runs_even_when_a_call_inside_fails(cuda: FakeCuda, lib: FakeL
     work = comm.post_p2p(True, torch.zeros(8, dtype=torch.uint8), 1)
     with pytest.raises(nb.NcclError):
         work.wait()
-    assert lib.names()[-1] == "ncclGroupEnd"  # NCCL's group depth is per thread: never leave it open
+    assert lib.issued()[-1][0] == "ncclGroupEnd"  # NCCL's group depth is per thread: never leave it open
     assert isinstance(work.exception(), nb.NcclError)
 
 

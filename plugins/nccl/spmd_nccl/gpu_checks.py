@@ -1,0 +1,480 @@
+"""The backend conformance cases on CUDA tensors, for spmd-nccl on a GPU machine.
+
+spmd's conformance suite (``spmd.testing.conformance``) builds CPU tensors.
+These checks reuse its seeded inputs and oracle but move every input to the
+rank's GPU, run it through spmd's public API on a group whose CUDA backend is
+NCCL, and compare on the host. Reductions NCCL cannot do must raise
+``UnsupportedReduction`` at the call; the rest must match the oracle.
+
+Every function here runs on every rank of a World (``spmd.testing.World(n,
+"cpu:gloo,cuda:nccl")``), pinned to GPU ``rank % device_count`` by ``use_gpu``.
+``plugins/nccl/tests/test_nccl_gpu.py`` and ``benchmarks/gpu`` both drive them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+
+import spmd
+from spmd.comm.group import ProcessGroup
+from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.state import NON_GROUP_MEMBER, get_state
+from spmd.errors import CollectiveError, CollectiveTimeoutError
+from spmd.testing.conformance.checks import Recorder
+from spmd.testing.conformance.data import (
+    DATA_DTYPES,
+    LARGE_DTYPES,
+    LARGE_SHAPE,
+    REDUCE_DTYPES,
+    SHAPES,
+    check_reduced,
+    expected_reduce,
+    make_input,
+    same_bytes,
+    valid_ops,
+)
+from spmd_nccl import library
+from spmd_nccl.mapping import UnsupportedReduction, reduction
+
+GROUP_SHAPES = ("world", "subset", "split")
+
+
+def use_gpu() -> torch.device:
+    """Pin this rank to GPU ``rank % device_count`` (call first, on every rank)."""
+    index = spmd.get_rank() % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _supported(dtype: torch.dtype, op: ReduceOp) -> bool:
+    try:
+        reduction(dtype, op, library.load().version)
+    except UnsupportedReduction:
+        return False
+    return True
+
+
+def _done(work: spmd.Work | None) -> None:
+    if work is not None:
+        work.wait()
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu()  # a copy on the current stream, which wait() ordered after the op
+
+
+def _expect_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    if not same_bytes(_host(actual), expected):
+        raise AssertionError(f"{what}: data differs from the source")
+
+
+def _roots(n: int) -> list[int]:
+    return sorted({0, n - 1})
+
+
+def _zeros(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like).cuda()  # built on the host: every dtype, float8 and uint64 too
+
+
+# -- reductions ----------------------------------------------------------------------------
+def check_all_reduce(g: ProcessGroup, rec: Recorder) -> None:
+    cases = [(d, op, s) for d in REDUCE_DTYPES for op in valid_ops(d) for s in SHAPES]
+    cases += [(d, op, LARGE_SHAPE) for d in LARGE_DTYPES for op in (ReduceOp.SUM, ReduceOp.MAX)]
+    for dtype, op, shape in cases:
+        key = f"all_reduce/{dtype}/{op.name}/{shape}"
+        inputs = [make_input(i, key, shape, dtype, op) for i in range(g.size)]
+
+        def body(async_op: bool, inputs=inputs, op=op, key=key, dtype=dtype) -> None:  # type: ignore[no-untyped-def]
+            t = inputs[g.rank].cuda()
+            if not _supported(dtype, op):
+                try:
+                    spmd.all_reduce(t, op, group=g, async_op=async_op)
+                except UnsupportedReduction as error:
+                    if str(dtype).removeprefix("torch.") not in str(error) or op.name not in str(error):
+                        raise AssertionError(f"{key}: the error does not name the pair: {error}") from error
+                    return
+                raise AssertionError(f"{key}: NCCL cannot do this pair, but no UnsupportedReduction was raised")
+            _done(spmd.all_reduce(t, op, group=g, async_op=async_op))
+            check_reduced(_host(t), expected_reduce(inputs, op), key)
+
+        rec.case(key, body)
+
+
+def check_reduce(g: ProcessGroup, rec: Recorder) -> None:
+    for dtype, root in itertools.product(REDUCE_DTYPES, _roots(g.size)):
+        for op in [op for op in valid_ops(dtype) if _supported(dtype, op)]:
+            for shape in [(7,), (3, 5), (0,)]:
+                key = f"reduce/{dtype}/{op.name}/{shape}/root{root}"
+                inputs = [make_input(i, key, shape, dtype, op) for i in range(g.size)]
+
+                def body(async_op: bool, inputs=inputs, op=op, key=key, root=root) -> None:  # type: ignore[no-untyped-def]
+                    t = inputs[g.rank].cuda()
+                    _done(spmd.reduce(t, group_dst=root, op=op, group=g, async_op=async_op))
+                    if g.rank == root:
+                        check_reduced(_host(t), expected_reduce(inputs, op), key)
+                    elif not torch.equal(_host(t), inputs[g.rank]):
+                        raise AssertionError(f"{key}: a non-root rank's tensor changed")
+
+                rec.case(key, body)
+
+
+def check_reduce_scatter_tensor(g: ProcessGroup, rec: Recorder) -> None:
+    n = g.size
+    for dtype in REDUCE_DTYPES:
+        for op in [op for op in valid_ops(dtype) if _supported(dtype, op)]:
+            for rows, stacked in [(0, False), (1, False), (5, False), (2, True)]:
+                key = f"reduce_scatter_tensor/{dtype}/{op.name}/{rows}/{stacked}"
+                shape = (n, rows, 3) if stacked else (n * rows, 3)
+                inputs = [make_input(i, key, shape, dtype, op) for i in range(n)]
+
+                def body(async_op: bool, inputs=inputs, op=op, key=key, rows=rows) -> None:  # type: ignore[no-untyped-def]
+                    out = _zeros(torch.zeros((rows, 3), dtype=inputs[0].dtype))
+                    _done(spmd.reduce_scatter_tensor(out, inputs[g.rank].cuda(), op, group=g, async_op=async_op))
+                    check_reduced(_host(out), expected_reduce(inputs, op).reshape(n, rows, 3)[g.rank], key)
+
+                rec.case(key, body)
+
+
+# -- data movement -----------------------------------------------------------------------------
+def check_broadcast(g: ProcessGroup, rec: Recorder) -> None:
+    cases = [(d, r, s) for d, r, s in itertools.product(DATA_DTYPES, _roots(g.size), SHAPES)]
+    cases += [(d, 0, LARGE_SHAPE) for d in LARGE_DTYPES]
+    for dtype, root, shape in cases:
+        key = f"broadcast/{dtype}/{shape}/root{root}"
+        source = make_input(root, key, shape, dtype)
+
+        def body(async_op: bool, source=source, root=root, key=key) -> None:  # type: ignore[no-untyped-def]
+            t = source.cuda() if g.rank == root else _zeros(source)
+            _done(spmd.broadcast(t, group_src=root, group=g, async_op=async_op))
+            _expect_bytes(t, source, key)
+
+        rec.case(key, body)
+
+
+def check_all_gather_into_tensor(g: ProcessGroup, rec: Recorder) -> None:
+    cases = [(d, s, st) for d in DATA_DTYPES for s in SHAPES for st in (False, True)]
+    cases += [(d, LARGE_SHAPE, False) for d in LARGE_DTYPES]
+    for dtype, shape, stack in cases:
+        key = f"all_gather_into_tensor/{dtype}/{shape}/stack={stack}"
+        inputs = [make_input(i, key, shape, dtype) for i in range(g.size)]
+        expected = torch.stack(inputs) if stack else torch.cat(inputs)
+
+        def body(async_op: bool, inputs=inputs, expected=expected, key=key) -> None:  # type: ignore[no-untyped-def]
+            out = _zeros(expected)
+            _done(spmd.all_gather_into_tensor(out, inputs[g.rank].cuda(), group=g, async_op=async_op))
+            _expect_bytes(out, expected, key)
+
+        rec.case(key, body)
+
+
+def check_all_to_all_single(g: ProcessGroup, rec: Recorder) -> None:
+    n, r = g.size, g.rank
+    for dtype, uneven in itertools.product(DATA_DTYPES, (False, True)):
+        key = f"all_to_all_single/{dtype}/uneven={uneven}"
+        splits = [[(i + 2 * j) % 3 for j in range(n)] for i in range(n)] if uneven else [[2] * n for _ in range(n)]
+        inputs = [make_input(i, key, (sum(splits[i]), 4), dtype) for i in range(n)]
+        blocks = [list(inputs[i].split(splits[i])) for i in range(n)]
+        expected = torch.cat([blocks[j][r] for j in range(n)])
+
+        def body(async_op: bool, inputs=inputs, splits=splits, expected=expected, key=key, uneven=uneven) -> None:  # type: ignore[no-untyped-def]
+            out = _zeros(expected)
+            in_splits = splits[r] if uneven else None
+            out_splits = [splits[j][r] for j in range(n)] if uneven else None
+            _done(spmd.all_to_all_single(out, inputs[r].cuda(), out_splits, in_splits, group=g, async_op=async_op))
+            _expect_bytes(out, expected, key)
+
+        rec.case(key, body)
+
+
+def check_scatter(g: ProcessGroup, rec: Recorder) -> None:
+    n = g.size
+    for dtype, root, shape in itertools.product(DATA_DTYPES, _roots(n), [(0,), (3, 5)]):
+        key = f"scatter/{dtype}/{shape}/root{root}"
+        pieces = [make_input(i, key, shape, dtype) for i in range(n)]
+
+        def body(async_op: bool, pieces=pieces, root=root, key=key) -> None:  # type: ignore[no-untyped-def]
+            out = _zeros(pieces[0])
+            chunks = [p.cuda() for p in pieces] if g.rank == root else None
+            _done(spmd.scatter(out, chunks, group_src=root, group=g, async_op=async_op))
+            _expect_bytes(out, pieces[g.rank], key)
+
+        rec.case(key, body)
+
+
+def check_backend_gather(g: ProcessGroup, rec: Recorder) -> None:
+    """NcclBackend.gather directly (spmd.gather stages its output on the host; see check_kernel_staging)."""
+    n = g.size
+    backend = g.backend("cuda")
+    for dtype, root in itertools.product(DATA_DTYPES, _roots(n)):
+        key = f"backend.gather/{dtype}/root{root}"
+        inputs = [make_input(i, key, (3, 5), dtype) for i in range(n)]
+
+        def body(async_op: bool, inputs=inputs, root=root, key=key) -> None:  # type: ignore[no-untyped-def]
+            out = _zeros(torch.cat(inputs)) if g.rank == root else None
+            backend.gather(out, inputs[g.rank].cuda(), root).wait()
+            if out is not None:
+                _expect_bytes(out, torch.cat(inputs), key)
+
+        rec.case(key, body)
+
+
+def check_barrier(g: ProcessGroup, rec: Recorder) -> None:
+    """NcclBackend.barrier blocks the CPU until every rank entered (spmd.barrier uses the CPU backend here)."""
+    store = get_state().store
+    backend = g.backend("cuda")
+    for round_ in range(3):
+        key = f"nccl-barrier/{g.name}/{round_}"
+
+        def body(async_op: bool, key=key) -> None:  # type: ignore[no-untyped-def]
+            store.set(f"{key}/{g.rank}", "1")
+            backend.barrier().wait()
+            missing = [i for i in range(g.size) if not store.check([f"{key}/{i}"])]
+            if missing:
+                raise AssertionError(f"{key}: ranks {missing} had not arrived when the barrier returned")
+
+        rec.case(key, body)
+
+
+def check_p2p(g: ProcessGroup, rec: Recorder) -> None:
+    """Ring exchange (irecv first, then isend), batch_isend_irecv, and five ordered messages."""
+    n, r = g.size, g.rank
+    if n == 1:
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    for dtype, shape in itertools.product(DATA_DTYPES, SHAPES):
+        key = f"p2p/{dtype}/{shape}"
+        inputs = [make_input(i, key, shape, dtype) for i in range(n)]
+
+        def body(async_op: bool, inputs=inputs, key=key) -> None:  # type: ignore[no-untyped-def]
+            got = _zeros(inputs[0])
+            mine = inputs[r].cuda()
+            if async_op:
+                works = spmd.batch_isend_irecv([
+                    spmd.P2POp(spmd.isend, mine, group_peer=right, group=g),
+                    spmd.P2POp(spmd.irecv, got, group_peer=left, group=g),
+                ])
+                for w in works:
+                    w.wait()
+            else:
+                recv = spmd.irecv(got, group=g, group_src=left)
+                spmd.isend(mine, group=g, group_dst=right).wait()
+                recv.wait()
+            _expect_bytes(got, inputs[left], key)
+
+        rec.case(key, body)
+
+    def ordered(async_op: bool) -> None:
+        sends = [spmd.isend(torch.full((4,), float(k), device="cuda"), group=g, group_dst=right) for k in range(5)]
+        got = [torch.zeros(4, device="cuda") for _ in range(5)]
+        for k in range(5):
+            spmd.recv(got[k], group=g, group_src=left)
+        for w in sends:
+            w.wait()
+        firsts = [int(t[0].item()) for t in got]
+        if firsts != list(range(5)):
+            raise AssertionError(f"messages arrived out of order: {firsts}")
+
+    rec.case("p2p/order", ordered)
+
+
+CHECKS: dict[str, Callable[[ProcessGroup, Recorder], None]] = {
+    "all_reduce": check_all_reduce,
+    "reduce": check_reduce,
+    "reduce_scatter_tensor": check_reduce_scatter_tensor,
+    "broadcast": check_broadcast,
+    "all_gather_into_tensor": check_all_gather_into_tensor,
+    "all_to_all_single": check_all_to_all_single,
+    "scatter": check_scatter,
+    "backend_gather": check_backend_gather,
+    "barrier": check_barrier,
+    "p2p": check_p2p,
+}
+
+
+def _make_group(shape: str) -> ProcessGroup | object:
+    n, r = spmd.get_world_size(), spmd.get_rank()
+    if shape == "world":
+        return get_state().world
+    if shape == "subset":
+        return spmd.new_group(list(range(1, n)))
+    if shape == "split":
+        return spmd.split_group(color=r % 2, key=-r)
+    raise ValueError(f"unknown group shape {shape!r}; choose from {GROUP_SHAPES}")
+
+
+def run_cases(op: str, shape: str) -> list[str]:
+    """On one rank: pin the GPU, build the group, run every case of ``op``; return the failures."""
+    use_gpu()
+    group = _make_group(shape)
+    if group is NON_GROUP_MEMBER:
+        return []
+    assert isinstance(group, ProcessGroup)
+    recorder = Recorder()
+    try:
+        CHECKS[op](group, recorder)
+    finally:
+        torch.cuda.synchronize()
+        if group is not get_state().world:
+            spmd.destroy_process_group(group)  # frees its NCCL communicator (and GPU memory)
+    if recorder.count == 0 and not (op == "p2p" and group.size == 1):
+        return [f"{op}: no cases ran"]
+    return recorder.failures
+
+
+# -- GPU-only behaviour -----------------------------------------------------------------------------
+def check_stream_semantics() -> dict[str, float]:
+    """wait() returns without blocking the CPU; is_completed() follows the event; the result is right."""
+    device = use_gpu()
+    n = spmd.get_world_size()
+    x = torch.ones(1 << 20, device=device)
+    spmd.all_reduce(x)  # the communicator exists before timing
+    torch.cuda.synchronize()
+    x.fill_(1.0)
+    torch.cuda._sleep(int(2e8))  # keep the caller's stream busy for a while (~0.1 s)
+    start = time.perf_counter()
+    work = spmd.all_reduce(x, async_op=True)
+    issued = time.perf_counter() - start
+    if work is None:
+        raise AssertionError("async_op=True returned no Work")
+    if work.is_completed():
+        raise AssertionError("the all_reduce reported completion while the caller's stream was still sleeping")
+    start = time.perf_counter()
+    work.wait()
+    waited = time.perf_counter() - start
+    y = x * 2  # on the caller's stream: must see the reduced values
+    torch.cuda.synchronize()
+    if not torch.all(y == 2 * n):
+        raise AssertionError(f"after wait() the caller's stream saw {y[:4].tolist()}, expected {2 * n}")
+    deadline = time.monotonic() + 5
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if not work.is_completed():
+        raise AssertionError("is_completed() stayed False after the stream finished")
+    if issued > 0.05 or waited > 0.05:
+        raise AssertionError(f"the CPU blocked: issue took {issued:.3f} s and wait() {waited:.3f} s")
+    return {"issue_s": issued, "wait_s": waited}
+
+
+def check_cuda_graph() -> dict[str, float]:
+    """Capture spmd.all_reduce in a CUDA graph, replay it twice, check the values; time replay vs eager."""
+    device = use_gpu()
+    n = spmd.get_world_size()
+    static = torch.ones(1 << 16, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture (creates the communicator)
+        for _ in range(3):
+            spmd.all_reduce(static)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    calls = 20
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            spmd.all_reduce(static)
+    for value in (1.0, 2.0):
+        static.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = value * n**calls
+        if not torch.all(static == expected):
+            raise AssertionError(f"graph replay gave {static[:4].tolist()}, expected {expected}")
+    start = time.perf_counter()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    replay = (time.perf_counter() - start) / (10 * calls)
+    start = time.perf_counter()
+    for _ in range(10 * calls):
+        spmd.all_reduce(static)
+    torch.cuda.synchronize()
+    eager = (time.perf_counter() - start) / (10 * calls)
+    return {"graph_us_per_all_reduce": replay * 1e6, "eager_us_per_all_reduce": eager * 1e6}
+
+
+def check_split_origin() -> dict[str, str]:
+    """A sub-group of every rank comes from ncclCommSplit; one that leaves ranks out from a fresh unique id."""
+    use_gpu()
+    n = spmd.get_world_size()
+    spmd.all_reduce(torch.ones(4, device="cuda"))  # the world communicator exists: split can use it
+    everyone = spmd.new_group(list(range(n)))
+    t = torch.ones(4, device="cuda")
+    spmd.all_reduce(t, group=everyone)
+    origins = {"all ranks": everyone.backend("cuda").communicator.origin}  # type: ignore[union-attr]
+    if not torch.all(t.cpu() == n):
+        raise AssertionError(f"all_reduce on the split group gave {t.tolist()}")
+    spmd.destroy_process_group(everyone)
+    if n > 1:
+        evens = spmd.new_group(list(range(0, n, 2)))
+        if evens is not NON_GROUP_MEMBER:
+            t = torch.ones(4, device="cuda")
+            spmd.all_reduce(t, group=evens)
+            origins["evens"] = evens.backend("cuda").communicator.origin  # type: ignore[union-attr]
+            if not torch.all(t.cpu() == len(range(0, n, 2))):
+                raise AssertionError(f"all_reduce on the evens gave {t.tolist()}")
+            spmd.destroy_process_group(evens)
+    return origins
+
+
+def check_timeout_aborts() -> str:
+    """Rank 0 waits (timeout 2 s) on an all_reduce rank 1 never joins: CollectiveTimeoutError, then the group is dead."""
+    use_gpu()
+    group = spmd.new_group(list(range(spmd.get_world_size())))
+    spmd.all_reduce(torch.ones(4, device="cuda"), group=group)  # both ranks create the communicator
+    torch.cuda.synchronize()
+    if spmd.get_rank() != 0:
+        time.sleep(6)  # never joins the second all_reduce
+        spmd.destroy_process_group(group)
+        return "skipped the op"
+    work = spmd.all_reduce(torch.ones(4, device="cuda"), group=group, async_op=True)
+    assert work is not None
+    start = time.perf_counter()
+    try:
+        work.wait(timeout=2)
+    except CollectiveTimeoutError as error:
+        took = time.perf_counter() - start
+        if not 1.5 <= took <= 15:
+            raise AssertionError(f"the timeout fired after {took:.1f} s, not about 2 s") from error
+    else:
+        raise AssertionError("wait(timeout=2) returned although the peer never joined")
+    try:
+        spmd.all_reduce(torch.ones(4, device="cuda"), group=group)
+    except CollectiveTimeoutError as error:
+        if "aborted" not in str(error):
+            raise AssertionError(f"the later op's error does not say the communicator was aborted: {error}") from error
+    except CollectiveError as error:
+        raise AssertionError(f"the later op raised {type(error).__name__}, not CollectiveTimeoutError: {error}") from error
+    else:
+        raise AssertionError("an op on the aborted group did not raise")
+    spmd.destroy_process_group(group)
+    return "timed out and aborted"
+
+
+def check_kernel_staging() -> list[str]:
+    """The API paths that stage through the kernel's host buffer pool (list forms, non-contiguous, gather).
+
+    They fail while spmd.comm.buffers.BufferPool allocates CPU buffers only: a
+    CUDA tensor is staged into host memory and NCCL (rightly) refuses it.
+    """
+    use_gpu()
+    n = spmd.get_world_size()
+    failures = []
+    cases: dict[str, Callable[[], None]] = {
+        "all_gather (list)": lambda: spmd.all_gather([torch.zeros(3, device="cuda") for _ in range(n)], torch.ones(3, device="cuda")),
+        "reduce_scatter (list)": lambda: spmd.reduce_scatter(torch.zeros(3, device="cuda"), [torch.ones(3, device="cuda") for _ in range(n)]),
+        "all_to_all (list)": lambda: spmd.all_to_all([torch.zeros(2, device="cuda") for _ in range(n)], [torch.ones(2, device="cuda") for _ in range(n)]),
+        "all_reduce (non-contiguous)": lambda: spmd.all_reduce(torch.ones(4, 6, device="cuda")[:, ::2]),
+    }
+    if n == 1:  # with peers, the root would fail while the others' sends stay posted
+        cases["gather"] = lambda: spmd.gather(torch.ones(3, device="cuda"), [torch.zeros(3, device="cuda")], dst=0)
+    for name, call in cases.items():
+        try:
+            call()
+            torch.cuda.synchronize()
+        except Exception as error:  # noqa: BLE001 - the failure is the result
+            failures.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+    return failures

@@ -1,0 +1,155 @@
+"""spmd-ucc against spmd-gloo: all_reduce, same sizes, alternated call by call in one run.
+
+    python benchmarks/ucc_vs_gloo.py                       # 2 ranks, 4 B .. 64 MiB
+    python benchmarks/ucc_vs_gloo.py --max-bytes 4194304 --rounds 5
+    python benchmarks/ucc_vs_gloo.py --profile prof.out    # cProfile of rank 0's ucc calls
+
+One job runs both backends: the world group uses Gloo and a second group of
+the same ranks uses ucc (``spmd.new_group(backend="ucc")``). Both sides
+reuse preallocated buffers. For each size the two alternate call by call
+(ucc, gloo, gloo, ucc, ...) so that machine noise (this host is shared) hits
+both alike; the table shows the median per-call time of each, the ratio
+ucc/gloo (below 1.0: ucc faster), the algorithm bandwidth (bytes / time) of
+each, and gloo2/gloo: a second, identical Gloo group against the first, the
+noise floor of the ratio. Sizes are the bytes of the per-rank float32 tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+
+#: Each side cycles through this many buffers, so a per-buffer artefact hits both alike.
+BUFFER_SETS = 3
+
+
+def sizes(max_bytes: int) -> list[int]:
+    out, size = [], 4
+    while size <= max_bytes:
+        out.append(size)
+        size *= 16 if size < 256 << 10 else 4
+    return out
+
+
+def iterations(nbytes: int) -> int:
+    return max(3, min(200, (8 << 20) // max(nbytes, 1)))
+
+
+def side(group, nbytes: int):  # type: ignore[no-untyped-def]
+    import spmd
+
+    n = max(nbytes // 4, 1)
+    bufs = itertools.cycle([torch.ones(n) for _ in range(BUFFER_SETS)])
+    return lambda: spmd.all_reduce(next(bufs), group=group)
+
+
+def time_interleaved(sides, iters: int, barrier) -> list[list[float]]:  # type: ignore[no-untyped-def]
+    """Per-call times of every side, rotating which goes first call by call."""
+    logs: list[list[float]] = [[] for _ in sides]
+    barrier()
+    for i in range(iters):
+        for k in range(len(sides)):
+            j = (i + k) % len(sides)
+            start = time.perf_counter()
+            sides[j]()
+            logs[j].append(time.perf_counter() - start)
+    return logs
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n} {unit}"
+        n //= 1024
+    return f"{n} GiB"
+
+
+def worker(args: argparse.Namespace) -> None:
+    import spmd
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
+    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=120)
+    ucc = spmd.new_group(list(range(world)), backend="ucc", group_desc="ucc")
+    gloo2 = spmd.new_group(list(range(world)), backend="gloo", group_desc="gloo2")
+    gloo = spmd.comm.state.get_state().world
+    barrier = lambda: spmd.barrier()  # noqa: E731 - one barrier for every side
+    profiler = None
+    if args.profile and rank == 0:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    results = []
+    for nbytes in sizes(args.max_bytes):
+        sides = [side(ucc, nbytes), side(gloo, nbytes), side(gloo2, nbytes)]
+        for _ in range(args.warmup):
+            for run in sides:
+                run()  # warm-up: connections, staging buffers, page faults
+        if profiler is not None:
+            inner = sides[0]
+
+            def profiled(inner=inner):  # type: ignore[no-untyped-def]
+                profiler.enable()
+                inner()
+                profiler.disable()
+
+            sides[0] = profiled
+        t_ucc, t_gloo, t_ctl = time_interleaved(sides, iterations(nbytes) * args.rounds, barrier)
+        med_ucc, med_gloo, med_ctl = (statistics.median(t) for t in (t_ucc, t_gloo, t_ctl))
+        row = {"bytes": nbytes, "ucc_s": med_ucc, "gloo_s": med_gloo, "ratio": med_ucc / med_gloo,
+               "ucc_GBps": nbytes / med_ucc / 1e9, "gloo_GBps": nbytes / med_gloo / 1e9,
+               "control_ratio": med_ctl / med_gloo}
+        results.append(row)
+        if rank == 0 and not args.json:
+            print(f"{human(nbytes):>8s} {med_ucc * 1e6:11.1f} {med_gloo * 1e6:11.1f} {row['ratio']:7.3f} "
+                  f"{row['ucc_GBps']:8.3f} {row['gloo_GBps']:8.3f} {row['control_ratio']:9.3f}", flush=True)
+    if rank == 0 and args.json:
+        print(json.dumps(results, indent=1))
+    if profiler is not None:
+        import pstats
+
+        profiler.dump_stats(args.profile)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    spmd.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--max-bytes", type=int, default=64 << 20)
+    parser.add_argument("--rounds", type=int, default=3, help="multiplies the calls per size; the median call is reported")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls of each side per size")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", metavar="FILE", help="cProfile rank 0's ucc calls into FILE (and print the top)")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if not args.json:
+        print(f"{args.world_size} ranks, all_reduce float32 SUM; median per call, ucc and gloo alternating call by "
+              "call; ratio = ucc / gloo (below 1: ucc faster); gloo2/gloo = control")
+        print(f"{'size':>8s} {'ucc us':>11s} {'gloo us':>11s} {'ratio':>7s} {'ucc GB/s':>8s} {'gloo GB/s':>8s} {'gloo2/gloo':>9s}")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.world_size),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env={**env, "RANK": str(r)}) for r in range(args.world_size)]
+    codes = [p.wait() for p in procs]
+    sys.exit(max(codes))
+
+
+if __name__ == "__main__":
+    main()

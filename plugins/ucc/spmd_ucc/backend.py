@@ -1,0 +1,397 @@
+"""UccBackend: spmd's Backend contract over UCX tag messaging, with a native all-reduce.
+
+Point-to-point: ``isend``/``irecv`` post UCX tag sends and receives straight
+on the tensor's memory (a zero-copy NumPy view). UCX matches tags per worker,
+not per sender, so the 64-bit UCX tag carries the group, the sender and
+spmd's tag::
+
+    bits 46..63  group id (agreed through the store; unique per job until 2**18 groups)
+    bits 29..45  sender's rank in the group
+    bits  0..28  spmd's tag: < 2**24 user p2p, 2**24..2**25 the kernel's generic
+                 collectives, 2**28 + (seq << 10) + step for this backend's own
+
+Collectives: all-reduce is native (recursive doubling up to
+``SPMD_UCC_RING_BYTES``, else a ring whose chunks travel in segments, so each
+segment is reduced and forwarded while the next ones are still moving). Each
+native collective is a generator that posts requests and yields the ones it
+must wait for; the engine's progress advances it, in whichever thread is
+progressing, so a synchronous call runs entirely in the caller's thread and
+an async one runs in the background. The other collectives are the kernel's
+generic algorithms over isend/irecv.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import torch
+
+from spmd.comm.backend import Backend, BackendContext
+from spmd.comm.buffers import BufferPool
+from spmd.comm.reduce_op import ReduceOp, finish_avg, reduce_into
+from spmd.comm.work import Work
+from spmd.errors import CollectiveError
+from spmd_ucc.engine import Engine, Peer, Pending, get_engine
+
+_GID_BITS, _RANK_BITS, _TAG_BITS = 18, 17, 29
+_GID_SHIFT, _RANK_SHIFT = _RANK_BITS + _TAG_BITS, _TAG_BITS
+_NATIVE = 1 << 28
+_SEQ_SPAN = 1 << 18
+_STEP_SPAN = 1 << 10
+
+#: All-reduce uses recursive doubling up to this many bytes, the segmented ring above.
+RING_BYTES = int(os.environ.get("SPMD_UCC_RING_BYTES", str(256 << 10)))
+#: Bytes per ring segment: the unit that is reduced and forwarded while the rest moves.
+SEGMENT_BYTES = int(os.environ.get("SPMD_UCC_SEGMENT_BYTES", str(1 << 20)))
+
+Requests = tuple[Any, ...]
+
+
+def _as_bytes(tensor: torch.Tensor) -> Any:
+    """A NumPy uint8 view of a contiguous CPU tensor's memory (no copy), for ucxx's Array."""
+    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
+    if flat.requires_grad:
+        flat = flat.detach()
+    return (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy()
+
+
+class UcxWork(Work, Pending):
+    """A Work over one UCX request (isend/irecv)."""
+
+    def __init__(self, backend: UccBackend, req: Any, buffer: Any, peer: Peer, what: str) -> None:
+        Work.__init__(self)
+        self._backend = backend
+        self._req = req
+        self._buffer = buffer  # what UCX reads or writes: alive until the request is done
+        self._peer = peer
+        self._what = what
+        self._failure: BaseException | None = None
+
+    def poll(self) -> bool:
+        if self._req.completed:
+            self._failure = self._backend.request_error(self._req, self._peer, self._what)
+            return True
+        failure = self._backend.failure
+        if failure is not None:
+            self._failure = CollectiveError(f"{self._what}: {failure}")
+            self._backend.engine.bury([(self._req, self._buffer)])
+            return True
+        return False
+
+    def complete(self) -> None:
+        self._req = self._buffer = None
+        self._finish(None, self._failure)
+
+    def _wait_native(self, timeout: float | None) -> bool:
+        if self._is_done:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._backend.engine.wait_until(lambda: self._is_done, deadline)
+
+    def is_completed(self) -> bool:
+        if not self._is_done:
+            self._backend.engine.try_progress()
+        return self._is_done
+
+
+class CollectiveOp(Work, Pending):
+    """A native collective: a generator that yields the requests it waits for next."""
+
+    def __init__(self, backend: UccBackend, name: str) -> None:
+        Work.__init__(self)
+        self._backend = backend
+        self._name = name
+        self._gen: Generator[Requests, None, None] | None = None
+        self._waiting: Requests = ()
+        self._posted: list[tuple[Any, Any]] = []  # every (request, buffer): kept until the op ends
+        self._failure: BaseException | None = None
+
+    # used by the algorithms
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        buf = _as_bytes(tensor)
+        req = self._backend.post_send(buf, dst, tag)
+        self._posted.append((req, buf))
+        return req
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        buf = _as_bytes(tensor)
+        req = self._backend.post_recv(buf, src, tag)
+        self._posted.append((req, buf))
+        return req
+
+    def start(self, gen: Generator[Requests, None, None]) -> Work:
+        self._gen = gen
+        if not self.poll():
+            self._backend.engine.register(self)
+            return self
+        self.complete()
+        return self
+
+    def poll(self) -> bool:
+        backend = self._backend
+        try:
+            while True:
+                for req in self._waiting:
+                    if not req.completed:
+                        if backend.failure is not None:
+                            raise CollectiveError(f"{self._name}: {backend.failure}")
+                        return False
+                for req in self._waiting:
+                    error = backend.request_error(req, None, self._name)
+                    if error is not None:
+                        raise error
+                assert self._gen is not None
+                try:
+                    self._waiting = next(self._gen)
+                except StopIteration:
+                    return True
+        except BaseException as error:  # noqa: BLE001 - delivered to the waiter
+            self._failure = error
+            self._backend.engine.bury(self._posted)
+            if self._gen is not None:
+                self._gen.close()
+            return True
+
+    def complete(self) -> None:
+        self._gen = None
+        self._waiting = ()
+        self._posted = []
+        self._finish(None, self._failure)
+
+    def _wait_native(self, timeout: float | None) -> bool:
+        if self._is_done:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._backend.engine.wait_until(lambda: self._is_done, deadline)
+
+    def is_completed(self) -> bool:
+        if not self._is_done:
+            self._backend.engine.try_progress()
+        return self._is_done
+
+
+def _agree_group_id(ctx: BackendContext) -> int:
+    """A job-wide unique id for this group: rank 0 draws it from a counter in the root store."""
+    store = ctx.store
+    root = store
+    while hasattr(root, "underlying_store"):  # PrefixStore chain -> the job's store
+        root = root.underlying_store
+    if ctx.rank == 0:
+        gid = int(root.add("spmd_ucc/group_counter", 1))
+        store.set("ucc/gid", str(gid))
+    else:
+        store.wait(["ucc/gid"], ctx.timeout)
+        gid = int(store.get("ucc/gid"))
+    return gid % (1 << _GID_BITS)
+
+
+class UccBackend(Backend):
+    """The ``ucc`` backend for one group: UCX endpoints shared through the process's engine."""
+
+    supports_avg = True  # AVG is SUM then a divide inside the native all-reduce
+
+    def __init__(self, ctx: BackendContext, parent: UccBackend | None = None, members: Sequence[int] = ()) -> None:
+        super().__init__(ctx)
+        if ctx.size > 1 << _RANK_BITS:
+            raise ValueError(f"the ucc backend supports groups of up to {1 << _RANK_BITS} ranks, not {ctx.size}")
+        self.engine: Engine = get_engine()
+        self.failure: str | None = None
+        self._timeout = ctx.timeout.total_seconds()
+        self._global = tuple(ctx.global_ranks) or tuple(range(ctx.size))
+        self._seq = 0
+        self._pool = BufferPool()
+        self._parent = parent
+        self._members = tuple(members)  # parent-local ranks of this group's members (split only)
+        self._peers: list[Peer | None] = [None] * ctx.size
+        if parent is None:
+            # Everyone publishes its worker addresses; peers connect lazily on first use.
+            sentinel = self.engine.sentinel_address or b""
+            ctx.store.set(f"ucc/addr/{ctx.rank}", len(self.engine.address).to_bytes(4, "little") + self.engine.address + sentinel)
+        self._gid = _agree_group_id(ctx)
+        base = self._gid << _GID_SHIFT
+        self._recv_base = [base | (r << _RANK_SHIFT) for r in range(ctx.size)]
+        self._send_base = self._recv_base[ctx.rank]
+        self.engine.add_backend(self)
+
+    # -- peers ---------------------------------------------------------------------
+    def _peer(self, rank: int) -> Peer:
+        peer = self._peers[rank]
+        if peer is None:
+            if self._parent is not None:
+                peer = self._parent._peer(self._members[rank])
+            else:
+                key = f"ucc/addr/{rank}"
+                self.ctx.store.wait([key], self.ctx.timeout)
+                blob = self.ctx.store.get(key)
+                size = int.from_bytes(blob[:4], "little")
+                address, sentinel = bytes(blob[4 : 4 + size]), bytes(blob[4 + size :]) or None
+                peer = self.engine.peer(address, sentinel, f"rank {self._global[rank]}")
+            self._peers[rank] = peer
+            if peer.failure is not None:
+                self.peer_failed(peer)
+        return peer
+
+    def peer_failed(self, peer: Peer) -> None:
+        """Called by the engine when a peer process is gone: the group cannot complete anything."""
+        if self.failure is None and peer in self._peers:
+            self.failure = (
+                f"peer {peer.label} of group {self.ctx.group_name!r} is unreachable: {peer.failure}. "
+                "The group cannot complete collectives any more; destroy it (spmd.destroy_process_group)"
+            )
+
+    def request_error(self, req: Any, peer: Peer | None, what: str) -> BaseException | None:
+        """None if the completed request succeeded, else the CollectiveError that explains it."""
+        try:
+            req.check_error()
+        except Exception as error:  # noqa: BLE001 - translated into spmd's error
+            if self.failure is not None:
+                return CollectiveError(f"{what}: {self.failure}")
+            if peer is not None and peer.failure is not None:
+                return CollectiveError(f"{what} failed: peer {peer.label} is unreachable: {peer.failure}")
+            return CollectiveError(f"{what} failed in UCX: {type(error).__name__}: {error}")
+        return None
+
+    # -- point-to-point ------------------------------------------------------------
+    def post_send(self, buf: Any, dst: int, tag: int) -> Any:
+        peer = self._peers[dst] or self._peer(dst)
+        if self.failure is not None:
+            raise CollectiveError(self.failure)
+        return peer.ep.tag_send(self.engine.Array(buf), self.engine.Tag(self._send_base | tag))
+
+    def post_recv(self, buf: Any, src: int, tag: int) -> Any:
+        peer = self._peers[src] or self._peer(src)
+        if self.failure is not None:
+            raise CollectiveError(self.failure)
+        return peer.ep.tag_recv(self.engine.Array(buf), self.engine.Tag(self._recv_base[src] | tag))
+
+    def _p2p(self, tensor: torch.Tensor, peer_rank: int, tag: int, send: bool) -> Work:
+        what = f"{'isend to' if send else 'irecv from'} group rank {peer_rank} (tag {tag})"
+        if self.failure is not None:
+            return Work.failed(CollectiveError(f"{what}: {self.failure}"))
+        buf = _as_bytes(tensor)
+        try:
+            req = self.post_send(buf, peer_rank, tag) if send else self.post_recv(buf, peer_rank, tag)
+        except CollectiveError as error:
+            return Work.failed(CollectiveError(f"{what}: {error}"))
+        work = UcxWork(self, req, buf, self._peers[peer_rank], what)  # type: ignore[arg-type]
+        if work.poll():
+            work.complete()
+        else:
+            self.engine.register(work)
+        return work
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        return self._p2p(tensor, dst, tag, True)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        return self._p2p(tensor, src, tag, False)
+
+    # -- native collectives ----------------------------------------------------------
+    def _op(self, name: str) -> tuple[CollectiveOp, int]:
+        seq = self._seq
+        self._seq = seq + 1
+        return CollectiveOp(self, f"{name} on group {self.ctx.group_name!r}"), _NATIVE | ((seq % _SEQ_SPAN) << 10)
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        if self.failure is not None:
+            return Work.failed(CollectiveError(f"all_reduce: {self.failure}"))
+        n = tensor.numel()
+        if self.size == 1 or n == 0:
+            return Work.completed()
+        flat = tensor.view(-1)
+        work, tag = self._op("all_reduce")
+        if n * tensor.element_size() > RING_BYTES and n >= self.size:
+            return work.start(self._ring_all_reduce(work, flat, op, tag))
+        return work.start(self._doubling_all_reduce(work, flat, op, tag))
+
+    def _doubling_all_reduce(self, w: CollectiveOp, t: torch.Tensor, op: ReduceOp, tag: int) -> Generator[Requests, None, None]:
+        """Recursive doubling; with n not a power of two, the first 2*rem ranks fold in pairs first.
+
+        Same structure (and so the same, bitwise identical, results on every rank)
+        as the kernel's generic algorithm, but with every receive posted before its send.
+        """
+        n, r = self.size, self.rank
+        p = 1 << (n.bit_length() - 1)
+        rem = n - p
+        incoming = torch.empty_like(t)
+        if r < 2 * rem:
+            if r % 2 == 0:
+                back = w.recv(t, r + 1, tag | 1)
+                yield (w.send(t, r + 1, tag),)
+                yield (back,)
+                finish_avg(t, op, n)
+                return
+            yield (w.recv(incoming, r - 1, tag),)
+            reduce_into(t, incoming, op)
+            vrank = r // 2
+        else:
+            vrank = r - rem
+        mask, step = 1, 2
+        while mask < p:
+            vpeer = vrank ^ mask
+            peer = vpeer * 2 + 1 if vpeer < rem else vpeer + rem
+            got = w.recv(incoming, peer, tag | step)
+            yield (got, w.send(t, peer, tag | step))
+            reduce_into(t, incoming, op)
+            mask <<= 1
+            step += 1
+        if r < 2 * rem:
+            yield (w.send(t, r - 1, tag | 1),)
+        finish_avg(t, op, n)
+
+    def _ring_all_reduce(self, w: CollectiveOp, t: torch.Tensor, op: ReduceOp, tag: int) -> Generator[Requests, None, None]:
+        """Ring reduce-scatter then all-gather; chunks move in segments that are pipelined.
+
+        Step s of the reduce-scatter sends chunk (r - s) and receives chunk
+        (r - 1 - s) into scratch; each received segment is reduced into place and
+        sent on at once as part of step s + 1 (or of the all-gather's first
+        step), while later segments are still in flight. The all-gather receives
+        straight into the tensor and forwards each segment as it lands. Every
+        receive is posted up front, under a tag per step, so no message waits
+        for a receive and none can match the wrong one.
+        """
+        n, r = self.size, self.rank
+        right, left = (r + 1) % n, (r - 1) % n
+        chunks = list(t.tensor_split(n))
+        seg = max(SEGMENT_BYTES // t.element_size(), 1)
+        segments = [list(c.split(seg)) if c.numel() else [] for c in chunks]
+        width = max(c.numel() for c in chunks)
+        # Pooled: a fresh 64 MiB buffer costs more in page faults than the transfer. Released
+        # only on success: after a failure UCX may still write into it (see Engine.bury).
+        scratch = self._pool.acquire(width * (n - 1), t.dtype)
+        rs: list[list[Any]] = []
+        for s in range(n - 1):
+            c = (r - 1 - s) % n
+            space = scratch[s * width : s * width + chunks[c].numel()]
+            rs.append([w.recv(part, left, tag | s % _STEP_SPAN) for part in space.split(seg)] if chunks[c].numel() else [])
+        ag: list[list[Any]] = []
+        for s in range(n - 1):
+            c = (r - s) % n
+            ag.append([w.recv(part, left, tag | (n - 1 + s) % _STEP_SPAN) for part in segments[c]])
+        sends = [w.send(part, right, tag) for part in segments[r]]
+        for s in range(n - 1):
+            c = (r - 1 - s) % n
+            space = scratch[s * width : s * width + chunks[c].numel()]
+            for j, (part, got) in enumerate(zip(segments[c], space.split(seg) if chunks[c].numel() else [])):
+                yield (rs[s][j],)
+                reduce_into(part, got, op)
+                sends.append(w.send(part, right, tag | (s + 1) % _STEP_SPAN))  # step s+1, or the all-gather's step 0
+        for s in range(n - 2):
+            c = (r - s) % n
+            for j, part in enumerate(segments[c]):
+                yield (ag[s][j],)
+                sends.append(w.send(part, right, tag | (n + s) % _STEP_SPAN))
+        yield tuple(req for step in ag for req in step) + tuple(sends)
+        self._pool.release(scratch)
+        finish_avg(t, op, n)
+
+    def split(self, ranks: Sequence[int], ctx: BackendContext) -> Backend | None:
+        """A sub-group that reuses this group's endpoints (no new connections)."""
+        return UccBackend(ctx, parent=self, members=ranks)
+
+    def close(self) -> None:
+        super().close()
+        self._peers = [None] * self.size

@@ -1,0 +1,403 @@
+"""The process's UCX engine: one context and worker shared by every group, endpoints, progress.
+
+Imported only by the backend factory (see ``probe`` for why ``ucxx`` must not be
+loaded at plugin import). One engine per process: every spmd group that uses
+the ``ucc`` backend shares its worker and its endpoints, so a sub-group costs
+no new connection.
+
+Progress. UCX moves data only while someone calls ``worker.progress()``. Here
+that someone is whichever thread waits: the first waiter becomes the leader
+(it holds ``_lock``), progresses the worker, advances every in-flight operation
+(``Pending.poll``), spins for ``spin_s`` and then sleeps in ``poll(2)`` on the
+worker's event descriptor (UCX's blocking mode: ``arm`` then wait), so an idle
+wait burns no CPU. Other waiters follow on a condition that the leader
+notifies whenever something finished. A background thread does the same when
+operations are in flight and nobody waits (async ops, done-callbacks), and
+steps aside as soon as a waiter appears, so a synchronous collective never
+pays a thread hand-off.
+
+Peer failure. Endpoints are created with UCX's peer-failure handling, but the
+shared-memory transports cannot notice a peer that died. So each process also
+runs a second, TCP-only UCX worker (the sentinel) with one endpoint per peer:
+when a peer's process exits, the kernel resets its sockets, the sentinel
+endpoint fails at once, and every operation of a group containing that peer
+fails with a CollectiveError naming it (instead of waiting for the timeout).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import select
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from spmd.errors import CollectiveError
+from spmd_ucc import probe
+
+#: Environment variables that ``import ucxx`` sets for CUDA use; restored after the import
+#: so they neither warn ("unused environment variable") nor leak into child processes.
+_UCXX_IMPORT_ENV = ("UCX_MEMTYPE_CACHE", "UCX_RNDV_THRESH", "UCX_RNDV_FRAG_MEM_TYPE", "UCX_MAX_RNDV_RAILS",
+                    "UCX_PROTO_ENABLE", "UCX_CUDA_COPY_MAX_REG_RATIO")
+
+_libucxx: Any = None
+_Array: Any = None
+
+
+def import_ucxx() -> Any:
+    """``ucxx._lib.libucxx``, imported once, without leaving ucxx's env settings behind."""
+    global _libucxx, _Array
+    if _libucxx is None:
+        clashing = probe.mpi_loaded()
+        if clashing is not None:
+            raise RuntimeError(
+                f"{clashing} is already loaded in this process: the MPI wheels bundle their own UCX "
+                "under the same library names, and loading ucxx next to it fails or crashes. Use "
+                "the mpi backend or the ucc backend in one process, not both"
+            )
+        before = {name: os.environ.get(name) for name in _UCXX_IMPORT_ENV}
+        try:
+            from ucxx._lib import libucxx
+            from ucxx._lib.arr import Array
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        _libucxx, _Array = libucxx, Array
+    return _libucxx
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.lower() not in ("0", "n", "no", "false", "off")
+
+
+class Pending:
+    """Something in flight that the leader checks each round (a request, a collective)."""
+
+    settled = False
+    since = 0.0  # when it was registered (monotonic seconds)
+
+    def poll(self) -> bool:
+        """Advance; return True once finished (successfully or not). Called under the engine lock."""
+        raise NotImplementedError
+
+    def complete(self) -> None:
+        """Deliver the result (runs callbacks); called outside the engine lock."""
+        raise NotImplementedError
+
+
+class Peer:
+    """One remote process: its data endpoint, its sentinel endpoint, and whether it failed."""
+
+    __slots__ = ("address", "ep", "sentinel_ep", "failure", "label", "__weakref__")
+
+    def __init__(self, address: bytes, label: str) -> None:
+        self.address = address
+        self.ep: Any = None
+        self.sentinel_ep: Any = None
+        self.failure: str | None = None
+        self.label = label
+
+
+class Engine:
+    """UCX context, worker and progress for this process (use ``get_engine()``)."""
+
+    def __init__(self) -> None:
+        libucxx = import_ucxx()
+        self.libucxx = libucxx
+        self.Array = _Array
+        self.Tag = libucxx.UCXXTag
+        self.config = probe.ucx_config()
+        features = (libucxx.Feature.TAG, libucxx.Feature.WAKEUP)
+        self.context = libucxx.UCXContext(config_dict=self.config, feature_flags=features)
+        self.worker = libucxx.UCXWorker(self.context)
+        self.worker.init_blocking_progress_mode()
+        self.address = self.worker.address.tobytes()
+        #: Peer-failure handling on data endpoints (SPMD_UCC_ERROR_HANDLING=0 turns it off, which
+        #: lets UCX use transports without it, and makes a dead peer a timeout, not an error).
+        self.error_handling = _env_flag("SPMD_UCC_ERROR_HANDLING", True)
+        #: Seconds a waiter polls the worker before it sleeps on the event descriptor.
+        self.spin_s = _env_float("SPMD_UCC_SPIN_US", 200.0) * 1e-6
+        self.sentinel_worker: Any = None
+        self.sentinel_context: Any = None
+        self.sentinel_address: bytes | None = None
+        self.sentinel_error: str | None = None
+        if _env_flag("SPMD_UCC_SENTINEL", True):
+            try:
+                self.sentinel_context = libucxx.UCXContext(config_dict={"TLS": "tcp"}, feature_flags=features)
+                self.sentinel_worker = libucxx.UCXWorker(self.sentinel_context)
+                self.sentinel_worker.init_blocking_progress_mode()
+                self.sentinel_address = self.sentinel_worker.address.tobytes()
+            except Exception as error:  # noqa: BLE001 - degrade to timeouts, and say so
+                self.sentinel_worker = self.sentinel_context = None
+                self.sentinel_error = f"{type(error).__name__}: {error}"
+        self._fds = [self.worker.epoll_file_descriptor]
+        if self.sentinel_worker is not None:
+            self._fds.append(self.sentinel_worker.epoll_file_descriptor)
+        self._poller = self._new_poller()  # used only by the leader (under _lock)
+        self._lock = threading.Lock()  # the leader's: progress, poll() and every op's advance
+        self._cond = threading.Condition(threading.Lock())  # followers and the background thread sleep here
+        self._waiters = 0  # threads inside wait_until
+        self._followers = 0  # of those, the ones sleeping on _cond
+        self._active: list[Pending] = []
+        self._active_lock = threading.Lock()
+        self._peers: dict[bytes, Peer] = {}
+        self._peers_lock = threading.Lock()
+        self._failed: list[Peer] = []
+        self._zombies: list[tuple[Any, Any]] = []  # (request, buffer) of failed ops, kept until UCX lets go
+        self._next_sentinel = 0.0
+        self._backends: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._stopping = False
+        self._bg_deep_sleep = True
+        self._thread = threading.Thread(target=self._background, name="spmd-ucc-progress", daemon=True)
+        if _env_flag("SPMD_UCC_BACKGROUND", True):
+            self._thread.start()
+
+    def _new_poller(self) -> select.poll:
+        poller = select.poll()
+        for fd in self._fds:
+            poller.register(fd, select.POLLIN)
+        return poller
+
+    # -- peers ---------------------------------------------------------------------
+    def peer(self, address: bytes, sentinel_address: bytes | None, label: str) -> Peer:
+        """The endpoint(s) to the process at ``address``, created on first use and shared."""
+        peer = self._peers.get(address)
+        if peer is not None:
+            return peer
+        with self._peers_lock:
+            peer = self._peers.get(address)
+            if peer is not None:
+                return peer
+            libucxx = self.libucxx
+            peer = Peer(address, label)
+            remote = libucxx.UCXAddress.create_from_buffer(address)
+            peer.ep = self.worker.create_endpoint_from_worker_address(remote, self.error_handling)
+            if self.error_handling:
+                peer.ep.set_close_callback(self._on_peer_error, (peer, "its UCX endpoint failed"))
+            if sentinel_address is not None and self.sentinel_worker is not None and address != self.address:
+                sentinel = libucxx.UCXAddress.create_from_buffer(sentinel_address)
+                peer.sentinel_ep = self.sentinel_worker.create_endpoint_from_worker_address(sentinel, True)
+                peer.sentinel_ep.set_close_callback(self._on_peer_error, (peer, "its connection was reset (the process exited or was killed)"))
+            self._peers[address] = peer
+            return peer
+
+    def _on_peer_error(self, peer: Peer, why: str) -> None:
+        # Called by UCX from inside a progress call: record only, handled after progress returns.
+        if peer.failure is None and not self._stopping:
+            peer.failure = why
+            self._failed.append(peer)
+
+    def _handle_failures(self) -> None:
+        failed, self._failed = self._failed, []
+        for peer in failed:
+            for backend in list(self._backends):
+                backend.peer_failed(peer)
+            try:
+                peer.ep.close()  # cancels every request still posted on it
+            except Exception:  # noqa: BLE001, S110 - the endpoint is gone either way
+                pass
+
+    def add_backend(self, backend: Any) -> None:
+        self._backends.add(backend)
+
+    def bury(self, items: list[tuple[Any, Any]]) -> None:
+        """Keep the requests (and buffers) of a failed op alive until UCX is done with them."""
+        self._zombies.extend((req, buf) for req, buf in items if not req.completed)
+
+    # -- registration ----------------------------------------------------------------
+    def register(self, item: Pending) -> None:
+        """Track ``item`` until it finishes (the background thread progresses it if nobody waits)."""
+        item.since = time.monotonic()
+        with self._active_lock:
+            self._active.append(item)
+        if self._bg_deep_sleep:
+            with self._cond:
+                self._cond.notify_all()
+
+    # -- progress ------------------------------------------------------------------
+    def _round(self) -> list[Pending]:
+        """One progress round (under ``_lock``): progress UCX, advance ops, return the finished."""
+        self.worker.progress()
+        if self.sentinel_worker is not None:
+            now = time.monotonic()
+            if now >= self._next_sentinel:
+                self._next_sentinel = now + 0.005
+                self.sentinel_worker.progress()
+        if self._failed:
+            self._handle_failures()
+        if not self._active:
+            return []
+        with self._active_lock:
+            snapshot = list(self._active)
+        finished = []
+        for item in snapshot:
+            if item.poll():
+                item.settled = True
+                finished.append(item)
+        if finished:
+            with self._active_lock:
+                self._active = [item for item in self._active if not item.settled]
+        if self._zombies and len(self._zombies) > 64:
+            self._zombies = [(req, buf) for req, buf in self._zombies if not req.completed]
+        return finished
+
+    def _deliver(self, finished: list[Pending]) -> None:
+        for item in finished:
+            item.complete()
+        if self._followers:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _sleep(self, poller: select.poll, timeout_s: float | None) -> None:
+        """Arm the workers and sleep until UCX signals an event (or the timeout)."""
+        if not self.worker.arm():
+            return  # events are pending: go round again
+        sentinel = self.sentinel_worker
+        if sentinel is not None and not sentinel.arm():
+            sentinel.progress()
+            return
+        limit = 50.0 if timeout_s is None else min(max(timeout_s, 0.0), 50.0)
+        for fd, _ in poller.poll(limit * 1000.0):
+            if sentinel is not None and fd == self._fds[-1] and len(self._fds) > 1:
+                self._next_sentinel = 0.0  # progress it in the next round
+
+    def try_progress(self) -> None:
+        """One non-blocking round if no other thread is progressing (for ``is_completed``)."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            finished = self._round()
+        finally:
+            self._lock.release()
+        if finished:
+            self._deliver(finished)
+
+    def wait_until(self, done: Callable[[], bool], deadline: float | None) -> bool:
+        """Drive progress until ``done()`` (True) or ``deadline`` (monotonic seconds) passes (False)."""
+        if done():
+            return True
+        spin_until = time.perf_counter() + self.spin_s
+        with self._cond:
+            self._waiters += 1
+        try:
+            while True:
+                if self._lock.acquire(blocking=False):
+                    try:
+                        finished = self._round()
+                        if not finished and time.perf_counter() >= spin_until and not done():
+                            remaining = None if deadline is None else deadline - time.monotonic()
+                            if remaining is None or remaining > 0:
+                                self._sleep(self._poller, remaining)
+                    finally:
+                        self._lock.release()
+                    if finished:
+                        self._deliver(finished)
+                else:
+                    with self._cond:
+                        if not done():
+                            self._followers += 1
+                            self._cond.wait(0.001)
+                            self._followers -= 1
+                if done():
+                    return True
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+        finally:
+            with self._cond:
+                self._waiters -= 1
+
+    def _background(self) -> None:
+        """Progress in-flight work that nobody waits for; step aside whenever a waiter appears.
+
+        It looks every ``tick`` seconds while work is in flight or was lately (a
+        wake-up per operation would cost a synchronous caller a thread switch),
+        takes only work older than ``grace`` (a synchronous caller waits on what
+        it issued at once), and sleeps until ``register`` wakes it after a second
+        without work.
+        """
+        poller = self._new_poller()
+        tick, grace, idle_after = 0.002, 0.001, 1.0
+        last_busy = time.monotonic()
+        while not self._stopping:
+            with self._cond:
+                now = time.monotonic()
+                if self._active:
+                    last_busy = now
+                self._bg_deep_sleep = not self._active and now - last_busy > idle_after
+                self._cond.wait(None if self._bg_deep_sleep else tick)
+                self._bg_deep_sleep = False
+            while not self._stopping and not self._waiters:
+                active = self._active
+                if not active or time.monotonic() - active[0].since < grace:
+                    break
+                if not self._lock.acquire(blocking=False):
+                    break
+                try:
+                    finished = self._round()
+                    armed = not finished and self.worker.arm()
+                    if armed and self.sentinel_worker is not None and not self.sentinel_worker.arm():
+                        armed = False
+                finally:
+                    self._lock.release()
+                if finished:
+                    self._deliver(finished)
+                elif armed:
+                    poller.poll(tick * 1000.0)  # without the lock: a waiter can take over at once
+                last_busy = time.monotonic()
+
+    def shutdown(self) -> None:
+        """Stop the background thread and close endpoints (at interpreter exit)."""
+        self._stopping = True
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(1.0)
+        with self._lock:
+            for peer in list(self._peers.values()):
+                for ep in (peer.sentinel_ep, peer.ep):
+                    if ep is not None:
+                        try:
+                            ep.remove_close_callback()
+                        except Exception:  # noqa: BLE001, S110 - best effort at exit
+                            pass
+            self._peers.clear()
+            self._active.clear()
+            self._zombies.clear()
+
+
+_engine: Engine | None = None
+_engine_lock = threading.Lock()
+
+
+def get_engine() -> Engine:
+    """The process's engine, created on first use."""
+    global _engine
+    if _engine is None:
+        with _engine_lock:
+            if _engine is None:
+                _engine = Engine()
+                atexit.register(_engine.shutdown)
+    return _engine
+
+
+def peer_error(peer: Peer, what: str) -> CollectiveError:
+    return CollectiveError(f"{what} failed: peer {peer.label} is unreachable: {peer.failure}")

@@ -484,10 +484,21 @@ class Communicator:
         """Finish (ncclCommFinalize, bounded) and destroy the communicator; abort if it cannot finish."""
         self._stopped = True
         self._wake.set()
+        try:
+            if self._finalize_and_destroy():
+                with self._works_lock:
+                    finished, self._outstanding = self._outstanding, []
+                for work in finished:  # ncclCommFinalize returned: every op has completed
+                    work._succeeded()
+        finally:
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=2)  # no CUDA call from it while the interpreter shuts down
+
+    def _finalize_and_destroy(self) -> bool:
         with self.lock:
             handle = self.handle
             if handle is None:
-                return
+                return False
             try:
                 with _on_device(self.device):
                     if self._pending:
@@ -503,11 +514,8 @@ class Communicator:
                 log.warning("closing the NCCL communicator of %s failed (%s); aborting it", self.where(), error)
                 if self.handle is not None:
                     self._abort_locked(CollectiveError(f"the communicator of {self.where()} was closed: {error}"))
-                return
-        with self._works_lock:
-            finished, self._outstanding = self._outstanding, []
-        for work in finished:  # ncclCommFinalize returned: every op has completed
-            work._succeeded()
+                return False
+        return True
 
     # -- the watcher thread ----------------------------------------------------------------------
     def _watch(self) -> None:
@@ -643,8 +651,11 @@ def create_communicator(lib: nccl.NcclLibrary, ctx: BackendContext, device: torc
     """The group's communicator on ``device``: unique id through the store, then ncclCommInitRankConfig."""
     timeout_s = ctx.timeout.total_seconds()
     deadline = time.monotonic() + timeout_s
+    # Each rank counts the communicators it made for this group: the n-th one of every rank
+    # uses key n, so a group re-created on the same store never reads a stale unique id.
+    generation = ctx.store.add(f"{UNIQUE_ID_KEY}/made_by/{ctx.rank}", 1)
     with _on_device(device):
-        uid = exchange_unique_id(lib, ctx.store, ctx.rank, ctx.timeout, ctx.group_name)
+        uid = exchange_unique_id(lib, ctx.store, ctx.rank, ctx.timeout, ctx.group_name, f"{UNIQUE_ID_KEY}/{generation}")
         handle = nccl.ncclComm_t()
         config = lib.config(blocking=1 if blocking else 0)
         result = lib.ncclCommInitRankConfig(ctypes.byref(handle), ctx.size, uid, ctx.rank, ctypes.byref(config))

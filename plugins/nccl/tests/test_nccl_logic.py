@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -24,8 +25,9 @@ pytest.importorskip("spmd_nccl", reason="spmd-nccl is not installed (pip install
 
 import torch.distributed as tdist  # noqa: E402
 from spmd_nccl import backend as nb  # noqa: E402
-from spmd_nccl import library  # noqa: E402
+from spmd_nccl import library, mapping  # noqa: E402
 
+import spmd
 from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError  # noqa: E402
 
 
@@ -89,7 +91,8 @@ class FakeLib:
         self.results: dict[str, list[int]] = {}  # name -> results to return, in order (then success)
         self.async_states: list[int] = []  # what ncclCommGetAsyncError reports next (then success)
         self.lock = threading.Lock()
-        names = ["ncclAllReduce", "ncclSend", "ncclRecv", "ncclGroupStart", "ncclGroupEnd", "ncclCommSplit"]
+        names = ["ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather", "ncclReduceScatter",
+                 "ncclSend", "ncclRecv", "ncclGroupStart", "ncclGroupEnd", "ncclCommSplit"]
         self.functions = {name: self._recorder(name) for name in names}
 
     def _recorder(self, name: str) -> Any:
@@ -124,6 +127,13 @@ class FakeLib:
             self.calls.append(("ncclCommGetAsyncError", ()))
             state._obj.value = self.async_states.pop(0) if self.async_states else library.ncclSuccess
         return library.ncclSuccess
+
+    def unique_id(self) -> library.ncclUniqueId:
+        return library.ncclUniqueId.from_buffer_copy(os.urandom(library.NCCL_UNIQUE_ID_BYTES))
+
+    def ncclCommInitRankConfig(self, comm: Any, nranks: int, uid: Any, rank: int, config: Any) -> int:  # noqa: N802
+        comm._obj.value = 0xC0 + rank
+        return self._recorder("ncclCommInitRankConfig")(nranks, bytes(uid), rank, config._obj.blocking)
 
     def ncclCommAbort(self, handle: Any) -> int:  # noqa: N802
         return self._recorder("ncclCommAbort")(handle)
@@ -425,3 +435,120 @@ def test_await_ready_polls_then_aborts_at_the_deadline(lib: FakeLib) -> None:
     lib.async_states = [library.ncclInternalError]
     with pytest.raises(nb.NcclError, match="init failed: ncclInternalError"):
         nb.await_ready(lib, ctypes.c_void_p(1), time.monotonic() + 5, "init")  # type: ignore[arg-type]
+
+
+def test_each_communicator_of_a_group_uses_a_fresh_unique_id_key(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    store = tdist.HashStore()
+
+    def ctx(rank: int) -> Any:
+        return nb.BackendContext(rank=rank, size=2, store=store, timeout=timedelta(seconds=10), group_name="g", device_type="cuda")
+
+    for _ in range(2):  # the group is made twice on one store (destroy, then init again)
+        made: dict[int, nb.Communicator] = {}
+        threads = [threading.Thread(target=lambda r=r, made=made: made.__setitem__(r, nb.create_communicator(lib, ctx(r), torch.device("cuda", 0), False))) for r in (1, 0)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        comms.extend(made.values())
+        assert made[0].origin == "ncclCommInitRankConfig"
+    inits = [args for name, args in lib.issued() if name == "ncclCommInitRankConfig"]
+    assert len(inits) == 4 and all(args[3] == 0 for args in inits)  # non-blocking
+    first, second = {a[1] for a in inits[:2]}, {a[1] for a in inits[2:]}
+    assert len(first) == len(second) == 1 and first != second  # each pair agreed on its own id
+    assert store.check(["nccl/unique_id/1", "nccl/unique_id/2"])
+
+
+# -- the ops' arguments --------------------------------------------------------------------------------
+@pytest.fixture
+def backend(cuda: FakeCuda, lib: FakeLib, comms: list, monkeypatch: pytest.MonkeyPatch) -> nb.NcclBackend:
+    """An NcclBackend of rank 1 in a group of 3 over a fake communicator; CPU tensors stand in for CUDA ones."""
+    comm = make(comms, lib)
+    comm.rank, comm.size = 1, 3
+    comm._stopped = True
+    instance = object.__new__(nb.NcclBackend)
+    instance.ctx = nb.BackendContext(rank=1, size=3, store=tdist.HashStore(), timeout=timedelta(seconds=10), group_name="g", device_type="cuda")
+    instance.lib = lib  # type: ignore[assignment]
+    instance._comm = comm
+    instance._blocking = False
+    instance._create_lock = threading.Lock()
+    monkeypatch.setattr(nb.NcclBackend, "_prepare", lambda self, op, *tensors: self._comm)
+    return instance
+
+
+def _issued(lib: FakeLib, name: str) -> tuple[Any, ...]:
+    found = [args for n, args in lib.issued() if n == name]
+    assert len(found) == 1, lib.issued()
+    return found[0]
+
+
+def test_all_reduce_arguments(backend: nb.NcclBackend, lib: FakeLib) -> None:
+    t = torch.zeros(6, dtype=torch.complex64)
+    backend.all_reduce(t, spmd.ReduceOp.AVG)
+    send, recv, count, dtype, op, handle, stream = _issued(lib, "ncclAllReduce")
+    assert send == recv == t.data_ptr() and count == 12  # complex as (re, im) float pairs
+    assert (dtype, op) == (mapping.ncclFloat32, mapping.ncclAvg)
+    assert handle is backend.communicator.handle and stream is backend.communicator.stream_handle
+
+
+def test_reduce_passes_null_off_the_root(backend: nb.NcclBackend, lib: FakeLib) -> None:
+    t = torch.zeros(5, dtype=torch.bool)
+    backend.reduce(t, 0, spmd.ReduceOp.BAND)
+    send, recv, count, dtype, op, root, _, _ = _issued(lib, "ncclReduce")
+    assert send == t.data_ptr() and recv is None and count == 5 and root == 0
+    assert (dtype, op) == (mapping.ncclUint8, mapping.ncclMin)  # bool "all" as uint8 MIN
+
+
+def test_reduce_scatter_counts_the_output(backend: nb.NcclBackend, lib: FakeLib) -> None:
+    out, inp = torch.zeros(4, dtype=torch.bfloat16), torch.zeros(12, dtype=torch.bfloat16)
+    backend.reduce_scatter_tensor(out, inp, spmd.ReduceOp.MAX)
+    send, recv, count, dtype, op, _, _ = _issued(lib, "ncclReduceScatter")
+    assert (send, recv, count, dtype, op) == (inp.data_ptr(), out.data_ptr(), 4, mapping.ncclBfloat16, mapping.ncclMax)
+
+
+def test_data_movement_moves_bytes(backend: nb.NcclBackend, lib: FakeLib) -> None:
+    t = torch.zeros(3, dtype=torch.uint64)
+    backend.broadcast(t, 2)
+    assert _issued(lib, "ncclBroadcast")[:5] == (t.data_ptr(), t.data_ptr(), 24, mapping.BYTES, 2)
+    out, inp = torch.zeros(9, dtype=torch.float8_e5m2), torch.zeros(3, dtype=torch.float8_e5m2)
+    backend.all_gather_into_tensor(out, inp)
+    assert _issued(lib, "ncclAllGather")[:4] == (inp.data_ptr(), out.data_ptr(), 3, mapping.BYTES)
+
+
+def test_all_to_all_single_offsets_and_the_local_block(backend: nb.NcclBackend, lib: FakeLib) -> None:
+    inp = torch.arange(12, dtype=torch.int32).reshape(6, 2)  # rows 1, 3, 2 go to ranks 0, 1, 2
+    out = torch.zeros(5, 2, dtype=torch.int32)  # rows 2, 3, 0 come from ranks 0, 1, 2
+    backend.all_to_all_single(out, inp, [2, 3, 0], [1, 3, 2])
+    calls = lib.issued()
+    row = 8  # bytes per row
+    assert [n for n, _ in calls] == ["ncclGroupStart", "ncclSend", "ncclRecv", "ncclSend", "ncclGroupEnd"]
+    assert calls[1][1][:4] == (inp.data_ptr(), 1 * row, mapping.BYTES, 0)
+    assert calls[2][1][:4] == (out.data_ptr(), 2 * row, mapping.BYTES, 0)
+    assert calls[3][1][:4] == (inp.data_ptr() + 4 * row, 2 * row, mapping.BYTES, 2)  # nothing comes from rank 2
+    assert torch.equal(out[2:5], inp[1:4])  # this rank's own block is copied locally
+
+
+def test_gather_and_scatter_off_and_on_the_root(backend: nb.NcclBackend, lib: FakeLib) -> None:
+    inp = torch.ones(4, dtype=torch.float16)
+    backend.gather(None, inp, 0)
+    assert [n for n, _ in lib.issued()] == ["ncclGroupStart", "ncclSend", "ncclGroupEnd"]
+    assert lib.issued()[1][1][:4] == (inp.data_ptr(), 8, mapping.BYTES, 0)
+    lib.calls.clear()
+    out, pieces = torch.zeros(4, dtype=torch.float16), torch.arange(12, dtype=torch.float16)
+    backend.scatter(out, pieces, 1)  # this rank is the root
+    sends = [args for name, args in lib.issued() if name == "ncclSend"]
+    assert [(a[0] - pieces.data_ptr(), a[1], a[3]) for a in sends] == [(0, 8, 0), (16, 8, 2)]
+    assert torch.equal(out, pieces[4:8])
+
+
+def test_empty_tensors_complete_without_nccl(backend: nb.NcclBackend, lib: FakeLib) -> None:
+    assert backend.all_reduce(torch.zeros(0), spmd.ReduceOp.SUM).is_completed()
+    assert backend.broadcast(torch.zeros(0), 0).is_completed()
+    assert backend.isend(torch.zeros(0), 0).is_completed()
+    assert lib.issued() == []
+
+
+def test_unsupported_pairs_fail_before_nccl(backend: nb.NcclBackend, lib: FakeLib) -> None:
+    with pytest.raises(mapping.UnsupportedReduction, match="int16"):
+        backend.all_reduce(torch.zeros(3, dtype=torch.int16), spmd.ReduceOp.SUM)
+    assert lib.issued() == []

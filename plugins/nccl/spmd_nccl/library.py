@@ -4,8 +4,10 @@ Where the library comes from, in order:
 
 1. ``SPMD_NCCL_LIBRARY`` (a path to a ``libnccl.so.2``): used as given, and an
    error if it does not exist or does not load;
-2. the ``nvidia-nccl-cu12`` wheel (``nvidia/nccl/lib/libnccl.so.2``), located
-   through the installed ``nvidia.nccl`` package, wherever pip put it;
+2. an NVIDIA NCCL wheel: ``nvidia-nccl-cu12`` (this plugin's dependency) or
+   ``nvidia-nccl-cu13`` put it in ``nvidia/nccl/lib/libnccl.so.2``, located
+   through the installed ``nvidia.nccl`` package wherever pip put it (the CUDA
+   13 wheel family's ``nvidia/cu13/lib`` is looked at too);
 3. the system's ``libnccl.so.2``, through the dynamic loader's search path.
 
 Every bound symbol carries exact ``argtypes``/``restype`` (``FUNCTIONS``), so
@@ -31,6 +33,8 @@ from typing import Any
 ENV_VAR = "SPMD_NCCL_LIBRARY"
 #: The soname the dynamic loader is asked for last.
 SONAME = "libnccl.so.2"
+#: How a library found in an NVIDIA wheel is described.
+WHEEL_SOURCE = "the nvidia-nccl wheel"
 #: What to install when no library is found.
 INSTALL_HINT = "pip install nvidia-nccl-cu12 (pulled in by: pip install -e plugins/nccl, or pip install 'spmd[nccl]')"
 
@@ -249,21 +253,35 @@ class NcclLibraryError(RuntimeError):
 
 
 # -- discovery ------------------------------------------------------------------------------
-def wheel_library() -> str | None:
-    """``nvidia/nccl/lib/libnccl.so.2`` of the installed ``nvidia-nccl-cu12`` wheel, if any."""
+#: Where NVIDIA's wheels put libnccl.so.2, as (package, sub-directory): nvidia-nccl-cu12 and
+#: nvidia-nccl-cu13 use nvidia/nccl/lib; the CUDA 13 wheel family also uses nvidia/cu13/lib.
+WHEEL_LOCATIONS = (("nvidia.nccl", "lib"), ("nvidia", os.path.join("cu13", "lib")), ("nvidia", os.path.join("cu12", "lib")))
+
+
+def _package_dirs(package: str) -> list[str]:
     try:
-        spec = importlib.util.find_spec("nvidia.nccl")
+        spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
-        return None
+        return []
     if spec is None:
-        return None
-    roots = list(spec.submodule_search_locations or [])
+        return []
+    roots = [str(root) for root in spec.submodule_search_locations or []]
     if spec.origin and spec.origin not in ("namespace", "built-in"):
         roots.append(os.path.dirname(spec.origin))
-    for root in roots:
-        candidate = os.path.join(root, "lib", SONAME)
-        if os.path.isfile(candidate):
-            return candidate
+    return roots
+
+
+def wheel_library() -> str | None:
+    """``libnccl.so.2`` of an installed NVIDIA NCCL wheel (``nvidia-nccl-cu12``: ``nvidia/nccl/lib``), if any.
+
+    Located through the installed ``nvidia`` packages (``importlib.util.find_spec``),
+    wherever pip put them: no path is hard-coded.
+    """
+    for package, sub in WHEEL_LOCATIONS:
+        for root in _package_dirs(package):
+            candidate = os.path.join(root, sub, SONAME)
+            if os.path.isfile(candidate):
+                return candidate
     return None
 
 
@@ -279,7 +297,7 @@ def candidates() -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
     wheel = wheel_library()
     if wheel is not None:
-        found.append((wheel, "the nvidia-nccl-cu12 wheel"))
+        found.append((wheel, WHEEL_SOURCE))
     found.append((SONAME, "the system's dynamic loader"))
     return found
 

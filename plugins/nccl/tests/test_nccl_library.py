@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import importlib.metadata
+import importlib.util
 import os
 import re
 import subprocess
@@ -86,10 +87,10 @@ def test_env_path_to_the_real_library_is_used(monkeypatch: pytest.MonkeyPatch) -
 
 def test_wheel_library_is_found_through_the_installed_package(lib: library.NcclLibrary) -> None:
     path = _wheel_or_skip()
-    assert path.endswith(os.path.join("nvidia", "nccl", "lib", "libnccl.so.2"))
-    spec = __import__("importlib.util").util.find_spec("nvidia.nccl")
+    assert path.endswith(os.path.join("lib", "libnccl.so.2"))
+    spec = importlib.util.find_spec("nvidia")
     assert any(path.startswith(str(root)) for root in spec.submodule_search_locations)
-    assert lib.source == "the nvidia-nccl-cu12 wheel"
+    assert lib.source == library.WHEEL_SOURCE == "the nvidia-nccl wheel"
     assert lib.path == os.path.realpath(path)  # what dladdr says was mapped
 
 
@@ -115,8 +116,14 @@ def test_version_codes_round_trip() -> None:
 
 def test_version_is_the_wheels(lib: library.NcclLibrary) -> None:
     assert lib.version >= library.MIN_VERSION
-    if lib.source == "the nvidia-nccl-cu12 wheel":
-        assert lib.version_string == importlib.metadata.version("nvidia-nccl-cu12")
+    if lib.source == library.WHEEL_SOURCE:
+        versions = []
+        for dist in ("nvidia-nccl-cu12", "nvidia-nccl-cu13"):
+            try:
+                versions.append(importlib.metadata.version(dist))
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        assert lib.version_string in versions
 
 
 def test_error_strings_come_from_the_library(lib: library.NcclLibrary) -> None:

@@ -136,8 +136,9 @@ def init_process_group(
 
 def _start_debugging(store: tdist.Store, rank: int, trace_dir: str | os.PathLike | None) -> None:
     """The watchdog thread, the trace directory, and SIGUSR1 as an on-demand dump."""
-    from spmd.debug import dump, watchdog
+    from spmd.debug import desync, dump, watchdog
 
+    desync.refresh()
     if trace_dir is not None:
         os.environ["SPMD_TRACE_DIR"] = str(trace_dir)
     watchdog.start(store, rank)

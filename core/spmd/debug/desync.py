@@ -22,8 +22,20 @@ from spmd.errors import CollectiveDesyncError, CollectiveTimeoutError
 _SHAPES_MAY_DIFFER = {"all_to_all_single", "gather", "scatter", "barrier"}
 
 
+_enabled: bool | None = None
+
+
 def enabled() -> bool:
-    return os.environ.get("SPMD_DESYNC_CHECK", "0") not in ("", "0", "false")
+    """Whether checks are on (``SPMD_DESYNC_CHECK``, read once; ``refresh()`` re-reads it)."""
+    global _enabled
+    if _enabled is None:
+        _enabled = os.environ.get("SPMD_DESYNC_CHECK", "0") not in ("", "0", "false")
+    return _enabled
+
+
+def refresh() -> None:
+    global _enabled
+    _enabled = None
 
 
 def _signature(entry: Entry, root: int | None) -> str:

@@ -478,3 +478,81 @@ def check_kernel_staging() -> list[str]:
         except Exception as error:  # noqa: BLE001 - the failure is the result
             failures.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
     return failures
+
+
+# -- benchmark ------------------------------------------------------------------------------------
+def _max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    spmd.all_reduce(t, op=ReduceOp.MAX)  # a CPU tensor: the group's CPU backend (Gloo)
+    return float(t.item())
+
+
+def _time_calls(op: Callable[[], object], iters: int) -> float:
+    """Seconds per call of ``iters`` back-to-back calls, the GPU drained before and after (max over ranks)."""
+    torch.cuda.synchronize()
+    spmd.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        op()
+    torch.cuda.synchronize()
+    return _max_over_ranks((time.perf_counter() - start) / iters)
+
+
+def bench_all_reduce(sizes: list[int], rounds: int = 3, target_s: float = 0.15) -> list[dict[str, float]]:
+    """all_reduce (SUM, float32, in place) per size: spmd on NCCL, torch.distributed's own NCCL
+    process group, and the bare ``ncclAllReduce`` through ctypes on spmd's communicator.
+
+    Each measurement times back-to-back calls (launch overhead overlaps the GPU,
+    as in a training step), the slowest rank's time counts, the three
+    alternate in rotating order over ``rounds``, and the median round is kept.
+    """
+    import torch.distributed as tdist
+
+    from spmd_nccl.mapping import ncclFloat32, ncclSum
+
+    device = use_gpu()
+    n, rank = spmd.get_world_size(), spmd.get_rank()
+    if not tdist.is_initialized():
+        store = tdist.PrefixStore("bench/torch-nccl/", get_state().store)
+        tdist.init_process_group("nccl", store=store, rank=rank, world_size=n, device_id=device)
+    rows = []
+    for size in sizes:
+        numel = max(1, size // 4)
+        buf = torch.zeros(numel, device=device)
+        spmd.all_reduce(buf)
+        tdist.all_reduce(buf)
+        comm = get_state().world.backend("cuda").communicator  # type: ignore[attr-defined]
+        lib, ptr = comm.lib, buf.data_ptr()
+
+        def raw(lib=lib, ptr=ptr, comm=comm, numel=numel) -> int:  # type: ignore[no-untyped-def]
+            return lib.ncclAllReduce(ptr, ptr, numel, ncclFloat32, ncclSum, comm.handle, comm.stream_handle)
+
+        if raw() != 0:
+            raise AssertionError(f"ncclAllReduce through ctypes failed: {lib.describe(raw(), comm.handle)}")
+        ops: dict[str, Callable[[], object]] = {
+            "spmd": lambda buf=buf: spmd.all_reduce(buf),
+            "torch": lambda buf=buf: tdist.all_reduce(buf),
+            "raw": raw,
+        }
+        probe = max(_time_calls(op, 3) for op in ops.values())
+        iters = int(min(max(target_s / max(probe, 1e-7), 5), 2000))
+        times: dict[str, list[float]] = {name: [] for name in ops}
+        names = list(ops)
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times[name].append(_time_calls(ops[name], iters))
+        med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+        factor = 2 * (n - 1) / n if n > 1 else 1.0  # bus bandwidth (algorithm bandwidth for one rank)
+        rows.append({
+            "bytes": float(numel * 4),
+            "iters": float(iters),
+            "spmd_us": med["spmd"] * 1e6,
+            "torch_us": med["torch"] * 1e6,
+            "raw_us": med["raw"] * 1e6,
+            "spmd_over_torch": med["spmd"] / med["torch"],
+            "spmd_busbw_GBps": numel * 4 * factor / med["spmd"] / 1e9,
+            "torch_busbw_GBps": numel * 4 * factor / med["torch"] / 1e9,
+        })
+        del buf
+        torch.cuda.empty_cache()
+    return rows

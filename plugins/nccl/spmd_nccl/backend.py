@@ -68,7 +68,7 @@ UNIQUE_ID_KEY = "nccl/unique_id"
 #: (irecv, isend) is never split: split, each rank's lone irecv could block its stream.
 P2P_FLUSH_DELAY = 0.05
 #: The watcher's poll interval while ops are outstanding, and its idle check interval.
-POLL_INTERVAL = 0.001
+POLL_INTERVAL = 0.002
 IDLE_INTERVAL = 0.5
 #: Seconds ``close`` gives ncclCommFinalize before it aborts instead.
 CLOSE_TIMEOUT = 30.0
@@ -230,6 +230,11 @@ class NcclWork(Work):
                 return True
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
+
+    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+        if not self._is_done and self._cuda_event is None:
+            self._comm.flush_p2p()  # a queued op completes only once issued (e.g. inside spmd's wait_all)
+        super().add_done_callback(callback)
 
     def is_completed(self) -> bool:
         if self._is_done or self._cuda_event is None or self._captured:

@@ -28,6 +28,7 @@ from spmd_nccl import backend as nb  # noqa: E402
 from spmd_nccl import library, mapping  # noqa: E402
 
 import spmd
+from spmd.comm.work import WorkList
 from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError  # noqa: E402
 
 
@@ -552,3 +553,15 @@ def test_unsupported_pairs_fail_before_nccl(backend: nb.NcclBackend, lib: FakeLi
     with pytest.raises(mapping.UnsupportedReduction, match="int16"):
         backend.all_reduce(torch.zeros(3, dtype=torch.int16), spmd.ReduceOp.SUM)
     assert lib.issued() == []
+
+
+def test_waiting_for_a_batch_issues_it(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    """spmd's wait_all waits through callbacks: registering one issues the queued ops at once."""
+    comm = make(comms, lib)
+    works = [comm.post_p2p(False, torch.zeros(4, dtype=torch.uint8), 1), comm.post_p2p(True, torch.zeros(4, dtype=torch.uint8), 1)]
+    batch = WorkList(list(works))
+    assert all(w._cuda_event is not None for w in works)
+    assert [name for name, _ in lib.issued()] == ["ncclGroupStart", "ncclRecv", "ncclSend", "ncclGroupEnd"]
+    for w in works:
+        w._cuda_event.done = True
+    batch.wait(timeout=5)

@@ -527,13 +527,16 @@ def bench_all_reduce(sizes: list[int], rounds: int = 3, target_s: float = 0.15) 
         def raw(lib=lib, ptr=ptr, comm=comm, numel=numel) -> int:  # type: ignore[no-untyped-def]
             return lib.ncclAllReduce(ptr, ptr, numel, ncclFloat32, ncclSum, comm.handle, comm.stream_handle)
 
-        if raw() != 0:
-            raise AssertionError(f"ncclAllReduce through ctypes failed: {lib.describe(raw(), comm.handle)}")
-        ops: dict[str, Callable[[], object]] = {
-            "spmd": lambda buf=buf: spmd.all_reduce(buf),
-            "torch": lambda buf=buf: tdist.all_reduce(buf),
-            "raw": raw,
-        }
+        def ours(buf: torch.Tensor = buf) -> object:
+            return spmd.all_reduce(buf)
+
+        def theirs(buf: torch.Tensor = buf) -> object:
+            return tdist.all_reduce(buf)
+
+        result = raw()
+        if result != 0:
+            raise AssertionError(f"ncclAllReduce through ctypes failed: {lib.describe(result, comm.handle)}")
+        ops: dict[str, Callable[[], object]] = {"spmd": ours, "torch": theirs, "raw": raw}
         probe = max(_time_calls(op, 3) for op in ops.values())
         iters = int(min(max(target_s / max(probe, 1e-7), 5), 2000))
         times: dict[str, list[float]] = {name: [] for name in ops}

@@ -230,12 +230,13 @@ def make_config(library_version: int, **values: Any) -> ctypes.Structure:
         raise ValueError(f"ncclConfig_t needs NCCL >= 2.14, the library is {'.'.join(map(str, decode_version(library_version)))}")
     cls = config_type(library_version)
     config = cls()
-    names = [name for name, _ in cls._fields_]  # type: ignore[attr-defined]
+    fields: list[tuple[str, Any]] = [(f[0], f[1]) for f in cls._fields_]  # type: ignore[attr-defined]
+    names = [name for name, _ in fields]
     last = getattr(cls, names[-1])
     config.size = last.offset + last.size
     config.magic = NCCL_API_MAGIC
     config.version = max(since for name, _, since in CONFIG_FIELDS if name in names)
-    for name, ctype in cls._fields_:  # type: ignore[attr-defined]
+    for name, ctype in fields:
         if name in ("size", "magic", "version"):
             continue
         setattr(config, name, None if ctype is ctypes.c_char_p else NCCL_CONFIG_UNDEF_INT)
@@ -334,6 +335,28 @@ class NcclLibrary:
     library is too old to have); the same functions are attributes (``lib.ncclAllReduce``).
     """
 
+    # The bound functions, one per entry of FUNCTIONS (None where an optional one is missing).
+    ncclGetVersion: Any
+    ncclGetUniqueId: Any
+    ncclCommInitRank: Any
+    ncclCommInitRankConfig: Any
+    ncclCommSplit: Any
+    ncclCommFinalize: Any
+    ncclCommDestroy: Any
+    ncclCommAbort: Any
+    ncclCommGetAsyncError: Any
+    ncclGetErrorString: Any
+    ncclGetLastError: Any
+    ncclAllReduce: Any
+    ncclBroadcast: Any
+    ncclReduce: Any
+    ncclAllGather: Any
+    ncclReduceScatter: Any
+    ncclSend: Any
+    ncclRecv: Any
+    ncclGroupStart: Any
+    ncclGroupEnd: Any
+
     def __init__(self, path: str, source: str) -> None:
         self.requested = path
         self.source = source
@@ -345,6 +368,7 @@ class NcclLibrary:
         self.functions: dict[str, Callable[..., Any] | None] = {}
         missing = []
         for fn in FUNCTIONS:
+            bound: Any
             try:
                 bound = self.cdll[fn.name]  # a fresh function object: its types are ours alone
             except AttributeError:

@@ -76,7 +76,7 @@ class UcxWork(Work, Pending):
             return True
         failure = self._backend.failure
         if failure is not None:
-            self._failure = CollectiveError(f"{self._what}: {failure}")
+            self._failure = CollectiveError(failure)
             self._backend.engine.bury([(self._req, self._buffer)])
             return True
         return False
@@ -137,7 +137,7 @@ class CollectiveOp(Work, Pending):
                 for req in self._waiting:
                     if not req.completed:
                         if backend.failure is not None:
-                            raise CollectiveError(f"{self._name}: {backend.failure}")
+                            raise CollectiveError(backend.failure)
                         return False
                 for req in self._waiting:
                     error = backend.request_error(req, None, self._name)
@@ -248,7 +248,7 @@ class UccBackend(Backend):
             req.check_error()
         except Exception as error:  # noqa: BLE001 - translated into spmd's error
             if self.failure is not None:
-                return CollectiveError(f"{what}: {self.failure}")
+                return CollectiveError(self.failure)
             if peer is not None and peer.failure is not None:
                 return CollectiveError(f"{what} failed: peer {peer.label} is unreachable: {peer.failure}")
             return CollectiveError(f"{what} failed in UCX: {type(error).__name__}: {error}")
@@ -270,12 +270,12 @@ class UccBackend(Backend):
     def _p2p(self, tensor: torch.Tensor, peer_rank: int, tag: int, send: bool) -> Work:
         what = f"{'isend to' if send else 'irecv from'} group rank {peer_rank} (tag {tag})"
         if self.failure is not None:
-            return Work.failed(CollectiveError(f"{what}: {self.failure}"))
+            return Work.failed(CollectiveError(self.failure))
         buf = _as_bytes(tensor)
         try:
             req = self.post_send(buf, peer_rank, tag) if send else self.post_recv(buf, peer_rank, tag)
         except CollectiveError as error:
-            return Work.failed(CollectiveError(f"{what}: {error}"))
+            return Work.failed(error)
         work = UcxWork(self, req, buf, self._peers[peer_rank], what)  # type: ignore[arg-type]
         if work.poll():
             work.complete()
@@ -297,7 +297,7 @@ class UccBackend(Backend):
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
         if self.failure is not None:
-            return Work.failed(CollectiveError(f"all_reduce: {self.failure}"))
+            return Work.failed(CollectiveError(self.failure))
         n = tensor.numel()
         if self.size == 1 or n == 0:
             return Work.completed()

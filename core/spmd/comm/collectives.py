@@ -182,7 +182,7 @@ class _Contiguous:
         if tensor.is_contiguous():
             self.tensor = tensor
         else:
-            self._buffer = _pool.acquire(tensor.numel(), tensor.dtype)
+            self._buffer = _pool.acquire(tensor.numel(), tensor.dtype, tensor.device)
             self.tensor = self._buffer[: tensor.numel()].view(tensor.shape)
             if copy_in:
                 self.tensor.copy_(tensor)
@@ -321,7 +321,7 @@ def reduce_scatter(
     g = resolve_group(group)
     _check_tensor(output, "output", "reduce_scatter")
     _check_list(input_list, g, output, "input_list", "reduce_scatter")
-    flat = _pool.acquire(output.numel() * g.size, output.dtype)
+    flat = _pool.acquire(output.numel() * g.size, output.dtype, output.device)
     packed = flat[: output.numel() * g.size]
     for block, item in zip(packed.chunk(g.size) if packed.numel() else [], input_list):
         block.view(item.shape).copy_(item)
@@ -409,7 +409,7 @@ def all_gather(
     g = resolve_group(group)
     _check_tensor(tensor, "tensor", "all_gather")
     _check_list(tensor_list, g, tensor, "tensor_list", "all_gather")
-    flat = _pool.acquire(tensor.numel() * g.size, tensor.dtype)
+    flat = _pool.acquire(tensor.numel() * g.size, tensor.dtype, tensor.device)
     packed = flat[: tensor.numel() * g.size]
     work = all_gather_into_tensor(packed, tensor, group=g, async_op=True)
     assert work is not None
@@ -496,7 +496,7 @@ def all_to_all(
     in_sizes = [t.numel() for t in input_tensor_list]
     out_sizes = [t.numel() for t in output_tensor_list]
     packed_in = torch.cat([t.reshape(-1) for t in input_tensor_list]) if input_tensor_list else torch.empty(0)
-    flat_out = _pool.acquire(sum(out_sizes), dtype)
+    flat_out = _pool.acquire(sum(out_sizes), dtype, input_tensor_list[0].device if input_tensor_list else "cpu")
     packed_out = flat_out[: sum(out_sizes)]
     work = all_to_all_single(packed_out, packed_in, out_sizes, in_sizes, group=g, async_op=True)
     assert work is not None
@@ -531,7 +531,7 @@ def gather(
     backend = g.backend_for(tensor)
     call = _begin(g, "gather", (tensor,), None, root)
     staged = _Contiguous(tensor)
-    flat = _pool.acquire(tensor.numel() * g.size, tensor.dtype) if is_root else None
+    flat = _pool.acquire(tensor.numel() * g.size, tensor.dtype, tensor.device) if is_root else None
     packed = flat[: tensor.numel() * g.size] if flat is not None else None
     work = backend.gather(packed, staged.tensor, root)
 

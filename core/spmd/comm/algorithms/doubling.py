@@ -22,7 +22,7 @@ def all_reduce_recursive_doubling(ch: Channel, tensor: torch.Tensor, op: ReduceO
         return
     p = 1 << (n.bit_length() - 1)
     rem = n - p
-    with ch.pool.borrow(tensor.numel(), tensor.dtype) as incoming:
+    with ch.pool.borrow(tensor.numel(), tensor.dtype, tensor.device) as incoming:
         if r < 2 * rem:
             if r % 2 == 0:
                 ch.wait(ch.send(tensor, r + 1))

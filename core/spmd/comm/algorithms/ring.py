@@ -13,7 +13,7 @@ def _ring_reduce_scatter_inplace(ch: Channel, chunks: list[torch.Tensor], op: Re
     n, r = ch.size, ch.rank
     right, left = (r + 1) % n, (r - 1) % n
     largest = max(c.numel() for c in chunks)
-    with ch.pool.borrow(largest, chunks[0].dtype) as scratch:
+    with ch.pool.borrow(largest, chunks[0].dtype, chunks[0].device) as scratch:
         for step in range(n - 1):
             send_idx = (r + shift - 1 - step) % n
             recv_idx = (r + shift - 2 - step) % n
@@ -45,7 +45,7 @@ def reduce_scatter_ring(ch: Channel, output: torch.Tensor, input: torch.Tensor, 
     """Rank r gets the reduction of block r of every rank's ``input`` (input is n blocks)."""
     n = ch.size
     if output.numel() > 0:
-        with ch.pool.borrow(input.numel(), input.dtype) as work:
+        with ch.pool.borrow(input.numel(), input.dtype, input.device) as work:
             work.copy_(input)
             chunks = list(work.chunk(n)) if n > 1 else [work]
             if n > 1:

@@ -37,8 +37,8 @@ def reduce_binomial(ch: Channel, tensor: torch.Tensor, dst: int, op: ReduceOp) -
         return
     vrank = (ch.rank - dst) % n
     is_root = vrank == 0
-    with ch.pool.borrow(tensor.numel(), tensor.dtype) as incoming, ch.pool.borrow(
-        0 if is_root else tensor.numel(), tensor.dtype
+    with ch.pool.borrow(tensor.numel(), tensor.dtype, tensor.device) as incoming, ch.pool.borrow(
+        0 if is_root else tensor.numel(), tensor.dtype, tensor.device
     ) as partial:
         acc = tensor
         if not is_root:

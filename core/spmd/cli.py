@@ -85,6 +85,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         mark = "+" if reason is None else "x"
         state = "usable" if reason is None else f"NOT usable: {reason}"
         print(f"  {mark} {spec.name} [{', '.join(spec.devices)}] from {entry.plugin}, priority {spec.priority}: {state}")
+        if spec.description:
+            print(f"      {spec.description}")
         native = sorted(spec.native_ops())
         generic = [op for op in COLLECTIVE_OPS if op not in native and op != "split"]
         print(f"      native: {', '.join(native) or 'none'}")

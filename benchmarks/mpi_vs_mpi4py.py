@@ -13,7 +13,10 @@ the sides alternate call by call (rotating which goes first) so machine noise
 hits all alike; the table shows the median per-call time of each, the ratio
 spmd/raw (below 1.0: spmd faster) and raw2/raw, a second identical raw
 communicator against the first: how far two equal things differ here (the
-noise floor of the ratio). Size is the bytes of the per-rank tensor for
+noise floor of the ratio). backend is the same op called on the world
+group's MpiBackend directly (``backend.all_reduce(t, SUM).wait()``): what
+spmd-mpi itself costs, without the kernel's per-call work (argument checks,
+flight recorder, Work bookkeeping). Size is the bytes of the per-rank tensor for
 all_reduce and broadcast, of the output for all_gather_into_tensor and of the
 input for reduce_scatter_tensor and all_to_all_single.
 """
@@ -87,6 +90,53 @@ def spmd_calls(world: int):  # type: ignore[no-untyped-def]
     }
 
 
+def backend_calls(world: int):  # type: ignore[no-untyped-def]
+    """The same ops on the world group's MpiBackend directly: spmd-mpi's cost without the kernel's."""
+    import torch
+
+    import spmd
+    from spmd.comm.state import get_state
+
+    backend = get_state().world.backend("cpu")
+    total_op = spmd.ReduceOp.SUM
+
+    def count(nbytes: int, multiple: int) -> int:
+        n = max(nbytes // 4, 1)
+        return max(n - n % multiple, multiple)
+
+    def all_reduce(nbytes: int):  # type: ignore[no-untyped-def]
+        t = torch.ones(count(nbytes, 1))
+        return lambda: backend.all_reduce(t, total_op).wait()
+
+    def broadcast(nbytes: int):  # type: ignore[no-untyped-def]
+        t = torch.ones(count(nbytes, 1))
+        return lambda: backend.broadcast(t, 0).wait()
+
+    def all_gather(nbytes: int):  # type: ignore[no-untyped-def]
+        total = count(nbytes, world)
+        out, inp = torch.empty(total), torch.ones(total // world)
+        return lambda: backend.all_gather_into_tensor(out, inp).wait()
+
+    def reduce_scatter(nbytes: int):  # type: ignore[no-untyped-def]
+        total = count(nbytes, world)
+        out, inp = torch.empty(total // world), torch.ones(total)
+        return lambda: backend.reduce_scatter_tensor(out, inp, total_op).wait()
+
+    def all_to_all(nbytes: int):  # type: ignore[no-untyped-def]
+        total = count(nbytes, world)
+        out, inp = torch.empty(total), torch.ones(total)
+        splits = [total // world] * world
+        return lambda: backend.all_to_all_single(out, inp, splits, splits).wait()
+
+    return {
+        "all_reduce": all_reduce,
+        "all_gather_into_tensor": all_gather,
+        "reduce_scatter_tensor": reduce_scatter,
+        "broadcast": broadcast,
+        "all_to_all_single": all_to_all,
+    }
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     from spmd_mpi.bench_peer import raw_mpi_ops
@@ -98,6 +148,8 @@ def worker(args: argparse.Namespace) -> None:
     spmd.init("mpi", timeout=300)  # rank and world from mpiexec
     rank, world = spmd.get_rank(), spmd.get_world_size()
     ours_all, raw_all, control_all = spmd_calls(world), raw_mpi_ops(), raw_mpi_ops()
+    spmd.barrier()  # creates the world's backend, which backend_calls uses
+    direct_all = backend_calls(world)
     from mpi4py import MPI
 
     barrier = MPI.COMM_WORLD.Barrier
@@ -105,21 +157,24 @@ def worker(args: argparse.Namespace) -> None:
         library = MPI.Get_library_version().strip().splitlines()[0].strip()
         print(f"{world} ranks, {library}; median per call, spmd and raw mpi4py alternating call by call; "
               "ratio = spmd / raw; raw2/raw = control")
-        print(f"{'op':24s} {'size':>8s} {'spmd us':>12s} {'raw us':>12s} {'ratio':>8s} {'raw2/raw':>9s}", flush=True)
+        print(f"{'op':24s} {'size':>8s} {'spmd us':>10s} {'raw us':>10s} {'ratio':>7s} {'raw2/raw':>8s} "
+              f"{'backend us':>10s} {'backend/raw':>11s}", flush=True)
     results = []
     for op in args.ops:
         for nbytes in sizes(args.max_bytes):
-            sides = [ours_all[op](nbytes), raw_all[op](nbytes), control_all[op](nbytes)]
+            sides = [ours_all[op](nbytes), raw_all[op](nbytes), control_all[op](nbytes), direct_all[op](nbytes)]
             for side in sides:
                 side()  # warm-up: communicator setup, page faults
-            t_ours, t_raw, t_ctl = time_interleaved(sides, iterations(nbytes, args.rounds), barrier)
-            med_ours, med_raw, med_ctl = (statistics.median(t) for t in (t_ours, t_raw, t_ctl))
-            row = {"op": op, "bytes": nbytes, "spmd_s": med_ours, "raw_s": med_raw,
-                   "ratio": med_ours / med_raw, "control_ratio": med_ctl / med_raw}
+            logs = time_interleaved(sides, iterations(nbytes, args.rounds), barrier)
+            med_ours, med_raw, med_ctl, med_direct = (statistics.median(t) for t in logs)
+            row = {"op": op, "bytes": nbytes, "spmd_s": med_ours, "raw_s": med_raw, "backend_s": med_direct,
+                   "ratio": med_ours / med_raw, "control_ratio": med_ctl / med_raw,
+                   "backend_ratio": med_direct / med_raw}
             results.append(row)
             if rank == 0 and not args.json:
-                print(f"{op:24s} {human(nbytes):>8s} {med_ours * 1e6:12.1f} {med_raw * 1e6:12.1f} "
-                      f"{row['ratio']:8.3f} {row['control_ratio']:9.3f}", flush=True)
+                print(f"{op:24s} {human(nbytes):>8s} {med_ours * 1e6:10.1f} {med_raw * 1e6:10.1f} "
+                      f"{row['ratio']:7.3f} {row['control_ratio']:8.3f} {med_direct * 1e6:10.1f} "
+                      f"{row['backend_ratio']:11.3f}", flush=True)
     if rank == 0:
         if args.json:
             print(json.dumps(results, indent=1))
@@ -129,15 +184,17 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def summary(results: list[dict]) -> None:
-    large = [r for r in results if r["bytes"] >= LARGE_FROM]
-    small = [r for r in results if r["bytes"] == 4]
-    if large:
-        worst = max(large, key=lambda r: r["ratio"])
-        print(f"sizes >= {human(LARGE_FROM)}: worst ratio {worst['ratio']:.3f} ({worst['op']} {human(worst['bytes'])}), "
-              f"target <= {TARGET_LARGE}")
-    if small:
-        worst = max(small, key=lambda r: r["ratio"])
-        print(f"4 B: worst ratio {worst['ratio']:.3f} ({worst['op']}), target <= {TARGET_SMALL}")
+    for label, subset, target in (
+        (f"sizes >= {human(LARGE_FROM)}", [r for r in results if r["bytes"] >= LARGE_FROM], TARGET_LARGE),
+        ("4 B", [r for r in results if r["bytes"] == 4], TARGET_SMALL),
+    ):
+        if not subset:
+            continue
+        worst = max(subset, key=lambda r: r["ratio"])
+        worst_backend = max(subset, key=lambda r: r["backend_ratio"])
+        print(f"{label}: worst spmd/raw {worst['ratio']:.3f} ({worst['op']} {human(worst['bytes'])}), "
+              f"worst backend/raw {worst_backend['backend_ratio']:.3f} ({worst_backend['op']} "
+              f"{human(worst_backend['bytes'])}); target <= {target}")
 
 
 def human(n: int) -> str:

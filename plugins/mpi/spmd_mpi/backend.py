@@ -47,8 +47,29 @@ _LOAD_LOCK = threading.Lock()
 SPIN_S = float(os.environ.get("SPMD_MPI_SPIN_US", "2000")) * 1e-6
 #: Longest sleep between two tests once a wait has backed off.
 MAX_SLEEP_S = 1e-3
-#: Tests before a wait starts yielding the CPU between them.
+#: Tests before a wait starts yielding the CPU between them (when it yields at all).
 _PURE_SPINS = 16
+
+
+def _oversubscribed() -> bool:
+    """True when this node runs more ranks than it has cores (or it cannot tell).
+
+    Then waits yield the CPU between tests so a descheduled peer can run;
+    otherwise they spin, as MPI's own blocking calls do. ``SPMD_MPI_YIELD=1/0``
+    forces either.
+    """
+    forced = os.environ.get("SPMD_MPI_YIELD")
+    if forced:
+        return forced not in ("0", "false", "no")
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value) > (os.cpu_count() or 1)
+    return True  # unknown: yielding costs a syscall per test, spinning oversubscribed costs ms
+
+
+#: Whether waits yield between tests (decided once, at import).
+_YIELD = _oversubscribed()
 
 #: id(ReduceOp) -> {torch.dtype: (MPI datatype, MPI op)} for every pair MPI reduces natively.
 _REDUCE: dict[int, dict[torch.dtype, tuple[Any, Any]]] = {}
@@ -233,7 +254,8 @@ class MpiWork(Work):
                 if now >= deadline:
                     return False
                 if now < spin_until:
-                    _yield()  # lets an oversubscribed peer rank run; returns at once otherwise
+                    if _YIELD:
+                        _yield()  # lets a peer rank on the same core run
                 else:
                     _sleep(min(delay, deadline - now))
                     delay = min(delay * 2, MAX_SLEEP_S)
@@ -302,7 +324,7 @@ class _Watcher:
                     self._works = [w for w in self._works if not any(w is d for d in done)]
                 busy_since, delay = _monotonic(), 1e-6
             elif _monotonic() - busy_since < SPIN_S:
-                _yield()
+                _yield()  # the watcher always yields: it competes with this rank's own threads
             else:
                 _sleep(delay)
                 delay = min(delay * 2, MAX_SLEEP_S)

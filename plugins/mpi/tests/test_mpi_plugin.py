@@ -81,8 +81,9 @@ def test_doctor_says_what_to_install_without_mpi4py():
         block
         + """
 import spmd, torch
-try:
+try:  # init checks the name; usability is checked at the latest on first use
     spmd.init("mpi", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    spmd.all_reduce(torch.ones(1))
 except spmd.BackendUnavailableError as error:
     print("ERROR", error)
 """)

@@ -45,7 +45,7 @@ def sizes(max_bytes: int) -> list[int]:
 
 
 def iterations(nbytes: int, rounds: int) -> int:
-    return max(5, min(2000, (16 << 20) // max(nbytes, 1))) * rounds
+    return max(20, min(2000, (64 << 20) // max(nbytes, 1))) * rounds
 
 
 def spmd_calls(world: int):  # type: ignore[no-untyped-def]

@@ -190,7 +190,7 @@ class MpiWork(Work):
     _watched = False
 
     def __init__(self, request: Any, keep: object = None, after: Callable[[bool], None] | None = None) -> None:
-        Work.__init__(self)
+        Work.__init__(self)  # (copying its fields via __dict__.update measured slower: 3.11 inline values)
         self._request = request
         self._keep = keep
         if after is not None:
@@ -200,6 +200,7 @@ class MpiWork(Work):
         """Test once: 0 still running, 1 finished, 2 another thread is finishing it."""
         if self._is_done:
             return 1
+        error = None
         _acquire()
         try:
             if self._claimed:
@@ -207,21 +208,22 @@ class MpiWork(Work):
             try:
                 if not self._request.Test():
                     return 0
-                error = None
             except MPI.Exception as failure:
                 error = failure
             self._claimed = True
         finally:
             _release()
-        if error is None and self._after is None:
-            self._request = self._keep = None
-            self._finish(None, None)
-        else:
-            self._complete(error)
+        self._complete(error)
         return 1
 
     def _complete(self, error: Any) -> None:
-        after, self._after = self._after, None
+        """Finish once MPI is done: run ``after``, drop the buffers, wake waiters and callbacks."""
+        after = self._after
+        self._request = self._keep = None
+        if error is None and after is None:
+            self._finish(None, None)
+            return
+        self._after = None
         failure: BaseException | None = None
         if error is not None:
             text = error.Get_error_string() if hasattr(error, "Get_error_string") else str(error)
@@ -231,39 +233,58 @@ class MpiWork(Work):
                 after(failure is None)
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
                 failure = failure or exc
-        self._request = self._keep = None
         self._finish(None, failure)
 
     def _wait_native(self, timeout: float | None) -> bool:
-        try_ = self._try
-        state = try_()
-        if state == 1:
+        """Test until done, spinning first, then sleeping with back-off; False at the timeout.
+
+        The test loop is written out (not calls to ``_try``): it is the hot path
+        of every synchronous op.
+        """
+        if self._is_done:
             return True
-        start = _monotonic()
-        deadline = float("inf") if timeout is None else start + timeout
-        if state == 2:
-            return Work._wait_native(self, timeout)
-        spin_until = start + SPIN_S
+        request = self._request
         spins = 0
+        deadline = spin_until = 0.0
         delay = 1e-6
+        mine = False
+        error = None
         while True:
+            _acquire()
+            try:
+                if self._claimed:
+                    break  # another thread is finishing it
+                try:
+                    done = request.Test()
+                except MPI.Exception as failure:
+                    done, error = True, failure
+                if done:
+                    self._claimed = mine = True
+                    break
+            finally:
+                _release()
             if spins < _PURE_SPINS:
                 spins += 1
+                if spins == _PURE_SPINS:
+                    now = _monotonic()
+                    deadline = float("inf") if timeout is None else now + timeout
+                    spin_until = now + SPIN_S
+                continue
+            now = _monotonic()
+            if now >= deadline:
+                return False
+            if now < spin_until:
+                if _YIELD:
+                    _yield()  # lets a peer rank on the same core run
             else:
-                now = _monotonic()
-                if now >= deadline:
-                    return False
-                if now < spin_until:
-                    if _YIELD:
-                        _yield()  # lets a peer rank on the same core run
-                else:
-                    _sleep(min(delay, deadline - now))
-                    delay = min(delay * 2, MAX_SLEEP_S)
-            state = try_()
-            if state == 1:
-                return True
-            if state == 2:
-                return Work._wait_native(self, None if timeout is None else max(0.0, deadline - _monotonic()))
+                _sleep(min(delay, deadline - now))
+                delay = min(delay * 2, MAX_SLEEP_S)
+        if mine:
+            self._complete(error)
+            return True
+        if timeout is not None and spins >= _PURE_SPINS:
+            timeout = max(0.0, deadline - _monotonic())
+        return Work._wait_native(self, timeout)  # woken by the thread that finishes it
 
     def is_completed(self) -> bool:
         if not self._is_done:

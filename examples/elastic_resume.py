@@ -7,7 +7,8 @@
     spmd run --nnodes 1:2 --nproc-per-node 1 --rdzv-endpoint 127.0.0.1:29400 --rdzv-id demo \
         examples/elastic_resume.py /tmp/elastic.pt 200 0.05
 
-Arguments: checkpoint path, total steps, seconds per step. Every step all-reduces
+Arguments: checkpoint path, total steps, seconds per step, and optionally the
+world size to wait for (keep stepping past the total until it is reached). Every step all-reduces
 a one and records the sum (the world size at that step) in a plain state dict
 that rank 0 saves atomically; after a restart with a new world size the script
 resumes from the saved step. ``history`` shows the world growing.
@@ -23,11 +24,12 @@ import torch
 import spmd
 
 ckpt, steps, pace = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+min_world = int(sys.argv[4]) if len(sys.argv) > 4 else 1  # keep stepping until this many ranks joined
 spmd.init("gloo", timeout=20)
 state = {"step": 0, "history": []}
 if os.path.exists(ckpt):
     state = torch.load(ckpt)
-while state["step"] < steps:
+while state["step"] < steps or spmd.get_world_size() < min_world:
     t = torch.ones(1)
     spmd.all_reduce(t)
     state["step"] += 1

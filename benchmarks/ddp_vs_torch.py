@@ -7,8 +7,9 @@ Three wrappers of three identical copies of one model train side by side:
 spmd DDP, torch DDP with its defaults, and torch DDP with
 ``gradient_as_bucket_view=True`` (what spmd always does). Each round runs one
 training step (zero_grad, forward, backward, SGD step) of every side, the
-order rotating from round to round so drift hits all alike; the table shows
-the median step time of each and the ratios spmd/torch (below 1.0: spmd faster).
+order rotating from round to round so drift hits all alike (the measurements
+below are part of the same rotation); the table shows the median step time of
+each and the ratios spmd/torch (below 1.0: spmd faster).
 
 Hidden communication. Separately, with the same sizes, it measures
 ``compute``: forward+backward of an unwrapped copy (no communication), and
@@ -73,14 +74,6 @@ def timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def median_of(fn: Callable[[], None], n: int, barrier: Callable[[], None]) -> float:
-    times = []
-    for _ in range(n):
-        barrier()
-        times.append(timed(fn))
-    return statistics.median(times)
-
-
 def bucket_allreduce(buffers: list[torch.Tensor], reduce: Callable[[torch.Tensor], object]) -> Callable[[], None]:
     """All-reduce every buffer, all in flight at once (as DDP launches them), then wait."""
 
@@ -121,24 +114,29 @@ def worker(args: argparse.Namespace) -> None:
         for name in names:
             train_step(sides[name], opts[name], x, y)
 
-    steps: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(args.rounds):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]
-            barrier()
-            steps[name].append(timed(lambda n=name: train_step(sides[n], opts[n], x, y)))
-    medians = {name: statistics.median(t) for name, t in steps.items()}
-
-    # Hidden communication: compute alone, communication alone, and the two together in DDP.
+    # Every measurement of one round runs back to back, the order rotating from round to round,
+    # so machine noise hits all of them alike: training steps, and the parts of the overlap formula.
     plain = copy.deepcopy(base)
-    n = max(5, args.rounds // 2)
-    compute = median_of(lambda: fwd_bwd(plain, x, y), n, barrier)
     spmd_buffers = [b.buffer().clone() for b in sides["spmd"].reducer.buckets]  # type: ignore[union-attr]
-    comm_spmd = median_of(bucket_allreduce(spmd_buffers, lambda b: spmd.all_reduce(b, async_op=True)), n, barrier)
-    comm_torch = median_of(bucket_allreduce(spmd_buffers, lambda b: tdist.all_reduce(b, async_op=True)), n, barrier)
+    probes: dict[str, Callable[[], None]] = {f"step:{n}": (lambda n=n: train_step(sides[n], opts[n], x, y)) for n in names}
+    probes.update({f"fwd_bwd:{n}": (lambda m=sides[n]: fwd_bwd(m, x, y)) for n in names})
+    probes["compute"] = lambda: fwd_bwd(plain, x, y)
+    probes["comm:spmd"] = bucket_allreduce(spmd_buffers, lambda b: spmd.all_reduce(b, async_op=True))
+    probes["comm:torch"] = bucket_allreduce(spmd_buffers, lambda b: tdist.all_reduce(b, async_op=True))
+    keys = list(probes)
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    for r in range(args.rounds):
+        for k in range(len(keys)):
+            key = keys[(r + k) % len(keys)]
+            barrier()
+            times[key].append(timed(probes[key]))
+    med = {k: statistics.median(t) for k, t in times.items()}
+    medians = {n: med[f"step:{n}"] for n in names}
+    compute = med["compute"]
     overlap = {}
-    for name, comm in (("spmd", comm_spmd), ("torch", comm_torch), ("torch_view", comm_torch)):
-        ddp = median_of(lambda m=sides[name]: fwd_bwd(m, x, y), n, barrier)
+    for name in names:
+        comm = med["comm:spmd" if name == "spmd" else "comm:torch"]
+        ddp = med[f"fwd_bwd:{name}"]
         hidden = min(1.0, max(0.0, (compute + comm - ddp) / comm))
         overlap[name] = {"ddp_fwd_bwd_s": ddp, "comm_s": comm, "exposed_s": ddp - compute, "hidden_share": hidden}
 

@@ -65,7 +65,6 @@ class Reducer:
                 self._views[i].copy_(param.grad)
                 param.grad = self._views[i]
         self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
-        self._index_of = {id(p): i for i, p in enumerate(self.params)}
         # Per-iteration state.
         self._armed = False  # the coming backward reduces (set by the forward)
         self._started = False  # a hook of this backward has run

@@ -39,5 +39,5 @@ while state["step"] < steps or spmd.get_world_size() < min_world:
         os.replace(ckpt + ".tmp", ckpt)
     time.sleep(pace)  # the workload's own pace, so a node can join mid-run
 if spmd.get_rank() == 0:
-    print("ELASTIC " + json.dumps(state), flush=True)
+    print("ELASTIC " + json.dumps({**state, "world_size": spmd.get_world_size()}), flush=True)
 spmd.destroy_process_group()

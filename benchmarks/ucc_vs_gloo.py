@@ -34,10 +34,11 @@ import torch.distributed as tdist
 BUFFER_SETS = 3
 
 
-def sizes(max_bytes: int) -> list[int]:
+def sizes(max_bytes: int, min_bytes: int = 4) -> list[int]:
     out, size = [], 4
     while size <= max_bytes:
-        out.append(size)
+        if size >= min_bytes:
+            out.append(size)
         size *= 16 if size < 256 << 10 else 4
     return out
 
@@ -92,7 +93,7 @@ def worker(args: argparse.Namespace) -> None:
 
         profiler = cProfile.Profile()
     results = []
-    for nbytes in sizes(args.max_bytes):
+    for nbytes in sizes(args.max_bytes, args.min_bytes):
         sides = [side(ucc, nbytes), side(gloo, nbytes), side(gloo2, nbytes)]
         for _ in range(args.warmup):
             for run in sides:
@@ -129,6 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--max-bytes", type=int, default=64 << 20)
+    parser.add_argument("--min-bytes", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="multiplies the calls per size; the median call is reported")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls of each side per size")
     parser.add_argument("--json", action="store_true")

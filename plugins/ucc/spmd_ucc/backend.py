@@ -50,14 +50,6 @@ SEGMENT_BYTES = int(os.environ.get("SPMD_UCC_SEGMENT_BYTES", str(1 << 20)))
 Requests = tuple[Any, ...]
 
 
-def _as_bytes(tensor: torch.Tensor) -> Any:
-    """A NumPy uint8 view of a contiguous CPU tensor's memory (no copy), for ucxx's Array."""
-    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)
-    if flat.requires_grad:
-        flat = flat.detach()
-    return (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy()
-
-
 class UcxWork(Work, Pending):
     """A Work over one UCX request (isend/irecv)."""
 
@@ -96,6 +88,11 @@ class UcxWork(Work, Pending):
             self._backend.engine.try_progress()
         return self._is_done
 
+    def add_done_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
+        if not self._is_done:
+            self._backend.engine.wants_callback(self)
+        super().add_done_callback(callback)
+
 
 class CollectiveOp(Work, Pending):
     """A native collective: a generator that yields the requests it waits for next."""
@@ -111,15 +108,13 @@ class CollectiveOp(Work, Pending):
 
     # used by the algorithms
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
-        buf = _as_bytes(tensor)
-        req = self._backend.post_send(buf, dst, tag)
-        self._posted.append((req, buf))
+        req = self._backend.post_send(tensor, dst, tag)
+        self._posted.append((req, tensor))
         return req
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
-        buf = _as_bytes(tensor)
-        req = self._backend.post_recv(buf, src, tag)
-        self._posted.append((req, buf))
+        req = self._backend.post_recv(tensor, src, tag)
+        self._posted.append((req, tensor))
         return req
 
     def start(self, gen: Generator[Requests, None, None]) -> Work:
@@ -172,6 +167,11 @@ class CollectiveOp(Work, Pending):
             self._backend.engine.try_progress()
         return self._is_done
 
+    def add_done_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
+        if not self._is_done:
+            self._backend.engine.wants_callback(self)
+        super().add_done_callback(callback)
+
 
 def _agree_group_id(ctx: BackendContext) -> int:
     """A job-wide unique id for this group: rank 0 draws it from a counter in the root store."""
@@ -203,6 +203,7 @@ class UccBackend(Backend):
         self._global = tuple(ctx.global_ranks) or tuple(range(ctx.size))
         self._seq = 0
         self._pool = BufferPool()
+        self._scratch_free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._parent = parent
         self._members = tuple(members)  # parent-local ranks of this group's members (split only)
         self._peers: list[Peer | None] = [None] * ctx.size
@@ -255,23 +256,25 @@ class UccBackend(Backend):
         return None
 
     # -- point-to-point ------------------------------------------------------------
-    def post_send(self, buf: Any, dst: int, tag: int) -> Any:
+    def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """Post a UCX tag send of ``tensor``'s bytes (contiguous; kept alive by the caller)."""
         peer = self._peers[dst] or self._peer(dst)
         if self.failure is not None:
             raise CollectiveError(self.failure)
-        return peer.ep.tag_send(self.engine.Array(buf), self.engine.Tag(self._send_base | tag))
+        return peer.ep.tag_send(self.engine.array(tensor), self.engine.Tag(self._send_base | tag))
 
-    def post_recv(self, buf: Any, src: int, tag: int) -> Any:
+    def post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        """Post a UCX tag receive into ``tensor``'s bytes (contiguous; kept alive by the caller)."""
         peer = self._peers[src] or self._peer(src)
         if self.failure is not None:
             raise CollectiveError(self.failure)
-        return peer.ep.tag_recv(self.engine.Array(buf), self.engine.Tag(self._recv_base[src] | tag))
+        return peer.ep.tag_recv(self.engine.array(tensor), self.engine.Tag(self._recv_base[src] | tag))
 
     def _p2p(self, tensor: torch.Tensor, peer_rank: int, tag: int, send: bool) -> Work:
         what = f"{'isend to' if send else 'irecv from'} group rank {peer_rank} (tag {tag})"
         if self.failure is not None:
             return Work.failed(CollectiveError(self.failure))
-        buf = _as_bytes(tensor)
+        buf = tensor
         try:
             req = self.post_send(buf, peer_rank, tag) if send else self.post_recv(buf, peer_rank, tag)
         except CollectiveError as error:
@@ -307,6 +310,15 @@ class UccBackend(Backend):
             return work.start(self._ring_all_reduce(work, flat, op, tag))
         return work.start(self._doubling_all_reduce(work, flat, op, tag))
 
+    def _small_scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A reused receive buffer shaped like ``like`` (a fresh one costs more than the message)."""
+        free = self._scratch_free.get((like.numel(), like.dtype))
+        if free:
+            return free.pop()
+        if len(self._scratch_free) > 64:
+            self._scratch_free.clear()
+        return torch.empty_like(like)
+
     def _doubling_all_reduce(self, w: CollectiveOp, t: torch.Tensor, op: ReduceOp, tag: int) -> Generator[Requests, None, None]:
         """Recursive doubling; with n not a power of two, the first 2*rem ranks fold in pairs first.
 
@@ -316,14 +328,14 @@ class UccBackend(Backend):
         n, r = self.size, self.rank
         p = 1 << (n.bit_length() - 1)
         rem = n - p
-        incoming = torch.empty_like(t)
+        if r < 2 * rem and r % 2 == 0:
+            back = w.recv(t, r + 1, tag | 1)
+            yield (w.send(t, r + 1, tag),)
+            yield (back,)
+            finish_avg(t, op, n)
+            return
+        incoming = self._small_scratch(t)
         if r < 2 * rem:
-            if r % 2 == 0:
-                back = w.recv(t, r + 1, tag | 1)
-                yield (w.send(t, r + 1, tag),)
-                yield (back,)
-                finish_avg(t, op, n)
-                return
             yield (w.recv(incoming, r - 1, tag),)
             reduce_into(t, incoming, op)
             vrank = r // 2
@@ -338,6 +350,7 @@ class UccBackend(Backend):
             reduce_into(t, incoming, op)
             mask <<= 1
             step += 1
+        self._scratch_free.setdefault((incoming.numel(), incoming.dtype), []).append(incoming)
         if r < 2 * rem:
             yield (w.send(t, r - 1, tag | 1),)
         finish_avg(t, op, n)

@@ -27,6 +27,7 @@ fails with a CollectiveError naming it (instead of waiting for the timeout).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import select
 import threading
@@ -93,7 +94,7 @@ class Pending:
     """Something in flight that the leader checks each round (a request, a collective)."""
 
     settled = False
-    since = 0.0  # when it was registered (monotonic seconds)
+    callback = False  # a done-callback waits for it: progress it even if nobody waits
 
     def poll(self) -> bool:
         """Advance; return True once finished (successfully or not). Called under the engine lock."""
@@ -135,7 +136,10 @@ class Engine:
         #: lets UCX use transports without it, and makes a dead peer a timeout, not an error).
         self.error_handling = _env_flag("SPMD_UCC_ERROR_HANDLING", True)
         #: Seconds a waiter polls the worker before it sleeps on the event descriptor.
-        self.spin_s = _env_float("SPMD_UCC_SPIN_US", 200.0) * 1e-6
+        self.spin_s = _env_float("SPMD_UCC_SPIN_US", 0.0) * 1e-6
+        #: Yield the core between spins (sched_yield): free on an idle host, and on a busy one
+        #: the peer we wait for may be the process waiting for this core.
+        self.spin_yield = _env_flag("SPMD_UCC_SPIN_YIELD", False)
         self.sentinel_worker: Any = None
         self.sentinel_context: Any = None
         self.sentinel_address: bytes | None = None
@@ -160,13 +164,14 @@ class Engine:
         self._active: list[Pending] = []
         self._active_lock = threading.Lock()
         self._peers: dict[bytes, Peer] = {}
+        self._arrays: dict[tuple[int, int], Any] = {}
         self._peers_lock = threading.Lock()
         self._failed: list[Peer] = []
         self._zombies: list[tuple[Any, Any]] = []  # (request, buffer) of failed ops, kept until UCX lets go
         self._next_sentinel = 0.0
         self._backends: weakref.WeakSet[Any] = weakref.WeakSet()
         self._stopping = False
-        self._bg_deep_sleep = True
+        self._bg_asleep = True  # the background thread sleeps until _wake_background
         self._thread = threading.Thread(target=self._background, name="spmd-ucc-progress", daemon=True)
         if _env_flag("SPMD_UCC_BACKGROUND", True):
             self._thread.start()
@@ -223,15 +228,54 @@ class Engine:
         """Keep the requests (and buffers) of a failed op alive until UCX is done with them."""
         self._zombies.extend((req, buf) for req, buf in items if not req.completed)
 
+    # -- buffers -------------------------------------------------------------------
+    def array(self, tensor: Any) -> Any:
+        """A ucxx Array over a contiguous tensor's memory, cached by (address, size).
+
+        The Array holds a ctypes view that does not own the memory, so the cache
+        keeps no tensor alive and a hit on reused memory is still the right
+        (address, size); whoever posts the request keeps the tensor alive. After
+        a context switch, building a view costs tens of microseconds here, more
+        than the message.
+        """
+        key = (tensor.data_ptr(), tensor.nbytes)
+        arr = self._arrays.get(key)
+        if arr is None:
+            if len(self._arrays) >= 4096:
+                self._arrays.clear()
+            arr = self.Array((ctypes.c_uint8 * key[1]).from_address(key[0]))
+            self._arrays[key] = arr
+        return arr
+
     # -- registration ----------------------------------------------------------------
     def register(self, item: Pending) -> None:
-        """Track ``item`` until it finishes (the background thread progresses it if nobody waits)."""
-        item.since = time.monotonic()
+        """Track ``item`` until it finishes.
+
+        The background thread is woken only when work is in flight that
+        nobody may be waiting for: a second operation while one is pending
+        (the first was not waited: async use), or a done-callback
+        (``wants_callback``). A synchronous caller issues one operation and
+        waits on it at once, and waking a thread for it would cost a switch.
+        """
         with self._active_lock:
             self._active.append(item)
-        if self._bg_deep_sleep:
+            several = len(self._active) > 1
+        if several:
+            self._wake_background()
+
+    def wants_callback(self, item: Pending) -> None:
+        """Someone registered a done-callback on ``item``: progress it even if nobody waits."""
+        item.callback = True
+        self._wake_background()
+
+    def _wake_background(self) -> None:
+        if self._bg_asleep and not self._waiters:
             with self._cond:
                 self._cond.notify_all()
+
+    def _background_needed(self) -> bool:
+        active = self._active
+        return bool(active) and not self._waiters and (len(active) > 1 or any(item.callback for item in active))
 
     # -- progress ------------------------------------------------------------------
     def _round(self) -> list[Pending]:
@@ -301,16 +345,22 @@ class Engine:
         try:
             while True:
                 if self._lock.acquire(blocking=False):
+                    spinning = False
                     try:
                         finished = self._round()
-                        if not finished and time.perf_counter() >= spin_until and not done():
-                            remaining = None if deadline is None else deadline - time.monotonic()
-                            if remaining is None or remaining > 0:
-                                self._sleep(self._poller, remaining)
+                        if not finished and not done():
+                            if time.perf_counter() < spin_until:
+                                spinning = True
+                            else:
+                                remaining = None if deadline is None else deadline - time.monotonic()
+                                if remaining is None or remaining > 0:
+                                    self._sleep(self._poller, remaining)
                     finally:
                         self._lock.release()
                     if finished:
                         self._deliver(finished)
+                    elif spinning and self.spin_yield:
+                        os.sched_yield()  # on a busy host, let the peer (or anyone) have this core
                 else:
                     with self._cond:
                         if not done():
@@ -324,33 +374,22 @@ class Engine:
         finally:
             with self._cond:
                 self._waiters -= 1
+                if not self._waiters and self._active:
+                    self._cond.notify_all()  # left work in flight (a timed-out wait, async ops)
 
     def _background(self) -> None:
-        """Progress in-flight work that nobody waits for; step aside whenever a waiter appears.
-
-        It looks every ``tick`` seconds while work is in flight or was lately (a
-        wake-up per operation would cost a synchronous caller a thread switch),
-        takes only work older than ``grace`` (a synchronous caller waits on what
-        it issued at once), and sleeps until ``register`` wakes it after a second
-        without work.
-        """
+        """Progress in-flight work that nobody waits for; step aside whenever a waiter appears."""
         poller = self._new_poller()
-        tick, grace, idle_after = 0.002, 0.001, 1.0
-        last_busy = time.monotonic()
         while not self._stopping:
             with self._cond:
-                now = time.monotonic()
-                if self._active:
-                    last_busy = now
-                self._bg_deep_sleep = not self._active and now - last_busy > idle_after
-                self._cond.wait(None if self._bg_deep_sleep else tick)
-                self._bg_deep_sleep = False
-            while not self._stopping and not self._waiters:
-                active = self._active
-                if not active or time.monotonic() - active[0].since < grace:
-                    break
+                self._bg_asleep = True
+                while not self._stopping and not self._background_needed():
+                    self._cond.wait()
+                self._bg_asleep = False
+            while not self._stopping and self._active and not self._waiters:
                 if not self._lock.acquire(blocking=False):
-                    break
+                    time.sleep(0.0005)
+                    continue
                 try:
                     finished = self._round()
                     armed = not finished and self.worker.arm()
@@ -361,8 +400,7 @@ class Engine:
                 if finished:
                     self._deliver(finished)
                 elif armed:
-                    poller.poll(tick * 1000.0)  # without the lock: a waiter can take over at once
-                last_busy = time.monotonic()
+                    poller.poll(10.0)  # without the lock: a waiter can take over at once
 
     def shutdown(self) -> None:
         """Stop the background thread and close endpoints (at interpreter exit)."""

@@ -17,7 +17,7 @@ import torch.distributed as tdist
 from spmd.comm import state
 from spmd.comm.group import ProcessGroup
 from spmd.comm.registry import backends, parse_backend_string
-from spmd.errors import SpmdError
+from spmd.errors import BackendUnavailableError, SpmdError
 
 log = logging.getLogger("spmd")
 
@@ -107,8 +107,13 @@ def init_process_group(
     backend_map = parse_backend_string(backend)
     if backend_map is not None:
         for name in set(backend_map.values()):
-            backends().get(name)  # unknown names fail now; usability is checked on first use of
-            # each device, so "cpu:gloo,cuda:nccl" works on a machine without a GPU
+            entry = backends().get(name)  # unknown names fail now
+            # A bare name ("nccl") asks for that backend alone: unusable is an error now. A
+            # per-device map ("cpu:gloo,cuda:nccl") checks each device's backend on first use,
+            # so it also runs on a machine without that device.
+            reason = entry.spec.unavailable_reason() if isinstance(backend, str) and ":" not in backend else None
+            if reason is not None:
+                raise BackendUnavailableError(f"backend {name!r} (plugin {entry.plugin!r}) cannot run here: {reason}")
     if store is None:
         launcher_env = init_method is None and rank < 0 and world_size < 0
         from spmd.launch.environments import detect_launch

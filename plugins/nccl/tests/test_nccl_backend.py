@@ -60,10 +60,22 @@ def test_unavailable_reason_says_what_to_install_without_a_library(monkeypatch: 
 
 @pytest.mark.skipif(not NO_CUDA, reason="a CUDA device is visible here")
 def test_init_with_nccl_fails_clearly_without_cuda() -> None:
-    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
-        with pytest.raises(BackendUnavailableError, match=r"backend 'nccl' \(plugin 'nccl'\) cannot run here: NCCL .* no CUDA device is visible"):
-            spmd.init(backend, store=tdist.HashStore(), rank=0, world_size=1)
-        assert not spmd.is_initialized()
+    with pytest.raises(BackendUnavailableError, match=r"backend 'nccl' \(plugin 'nccl'\) cannot run here: NCCL .* no CUDA device is visible"):
+        spmd.init("nccl", store=tdist.HashStore(), rank=0, world_size=1)
+    assert not spmd.is_initialized()
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="a CUDA device is visible here")
+def test_a_device_map_naming_nccl_still_runs_cpu_work_without_cuda() -> None:
+    """Per-device backends are checked on first use of their device, so the CPU half works."""
+    spmd.init("cpu:gloo,cuda:nccl", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        t = torch.ones(2)
+        spmd.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+        assert spmd.get_backend(device="cuda") == "nccl"
+    finally:
+        spmd.destroy_process_group()
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="a CUDA device is visible here")

@@ -42,8 +42,8 @@ from spmd_mpi import probe
 MPI: Any = None
 _LOAD_LOCK = threading.Lock()
 
-#: Seconds a wait polls with only yields between tests before it starts sleeping.
-#: MPI progresses only inside MPI calls, so large transfers want steady polling.
+#: Seconds a wait tests back to back (yielding between tests only when oversubscribed)
+#: before it starts sleeping. MPI progresses only inside MPI calls, so ops want steady tests.
 SPIN_S = float(os.environ.get("SPMD_MPI_SPIN_US", "2000")) * 1e-6
 #: Extra spinning per byte moved (1 ns/B, i.e. 1 GB/s): large ops need steady tests to
 #: progress (MPI advances only inside MPI calls), so they back off only after that long.

@@ -139,10 +139,10 @@ def backend_calls(world: int):  # type: ignore[no-untyped-def]
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    from spmd_mpi.bench_peer import raw_mpi_ops
 
     import spmd
     from spmd.bench.timing import time_interleaved
+    from spmd_mpi.bench_peer import raw_mpi_ops
 
     torch.set_num_threads(1)
     spmd.init("mpi", timeout=300)  # rank and world from mpiexec

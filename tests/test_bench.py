@@ -4,9 +4,9 @@ import json
 import subprocess
 import sys
 
-import bench_helpers
 import pytest
 
+import bench_helpers
 from spmd.bench.timing import bus_factor, size_sweep
 
 SPMD = [sys.executable, "-m", "spmd", "bench", "collectives"]

@@ -10,12 +10,12 @@ import textwrap
 import mpi_helpers
 import pytest
 from mpi_launch import MPIEXEC, SKIP_REASON
-from spmd_mpi import probe
 
 import spmd
 from spmd.comm.backend import COLLECTIVE_OPS
 from spmd.comm.registry import backends
 from spmd.testing import RankFailure, World
+from spmd_mpi import probe
 
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason=f"needs mpi4py and its mpiexec: {SKIP_REASON}")
 

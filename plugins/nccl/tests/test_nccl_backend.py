@@ -11,18 +11,18 @@ import torch
 
 pytest.importorskip("spmd_nccl", reason="spmd-nccl is not installed (pip install -e plugins/nccl)")
 
-import spmd_nccl  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
+
+import spmd  # noqa: E402
+import spmd_nccl  # noqa: E402
+from spmd.comm.registry import backends  # noqa: E402
+from spmd.errors import BackendUnavailableError  # noqa: E402
 from spmd_nccl import library  # noqa: E402
 from spmd_nccl.backend import (  # noqa: E402
     NcclBackend,
     allow_queries_during_other_threads_captures,
     cuda_unavailable_reason,
 )
-
-import spmd  # noqa: E402
-from spmd.comm.registry import backends  # noqa: E402
-from spmd.errors import BackendUnavailableError  # noqa: E402
 
 NO_CUDA = not torch.cuda.is_available()
 

@@ -24,12 +24,12 @@ import torch
 pytest.importorskip("spmd_nccl", reason="spmd-nccl is not installed (pip install -e plugins/nccl)")
 
 import torch.distributed as tdist  # noqa: E402
-from spmd_nccl import backend as nb  # noqa: E402
-from spmd_nccl import library, mapping  # noqa: E402
 
 import spmd
 from spmd.comm.work import WorkList
 from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError  # noqa: E402
+from spmd_nccl import backend as nb  # noqa: E402
+from spmd_nccl import library, mapping  # noqa: E402
 
 
 # -- fakes ---------------------------------------------------------------------------------

@@ -10,11 +10,10 @@ import torch
 
 pytest.importorskip("spmd_nccl", reason="spmd-nccl is not installed (pip install -e plugins/nccl)")
 
-from spmd_nccl import library, mapping  # noqa: E402
-from spmd_nccl.mapping import UnsupportedReduction, reduction  # noqa: E402
-
 from spmd.comm.reduce_op import ReduceOp  # noqa: E402
 from spmd.testing.conformance.data import REDUCE_DTYPES, valid_ops  # noqa: E402
+from spmd_nccl import library, mapping  # noqa: E402
+from spmd_nccl.mapping import UnsupportedReduction, reduction  # noqa: E402
 
 NEW = library.version_code(2, 32, 3)
 V = library.version_code

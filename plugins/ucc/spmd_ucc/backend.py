@@ -44,6 +44,8 @@ _STEP_SPAN = 1 << 10
 
 #: All-reduce uses recursive doubling up to this many bytes, the segmented ring above.
 RING_BYTES = int(os.environ.get("SPMD_UCC_RING_BYTES", str(256 << 10)))
+#: Seconds an operation may go without progress after a peer of its group failed.
+FAILURE_GRACE = float(os.environ.get("SPMD_UCC_FAILURE_GRACE", "2"))
 #: Bytes per ring segment: the unit that is reduced and forwarded while the rest moves.
 SEGMENT_BYTES = int(os.environ.get("SPMD_UCC_SEGMENT_BYTES", str(1 << 20)))
 
@@ -61,17 +63,22 @@ class UcxWork(Work, Pending):
         self._peer = peer
         self._what = what
         self._failure: BaseException | None = None
+        self._born = time.monotonic()
 
     def poll(self) -> bool:
         if self._req.completed:
             self._failure = self._backend.request_error(self._req, self._peer, self._what)
             return True
-        failure = self._backend.failure
-        if failure is not None:
-            self._failure = CollectiveError(failure)
-            self._backend.engine.bury([(self._req, self._buffer)])
-            return True
-        return False
+        if self._backend.failure is None:
+            return False
+        if self._peer.failure is not None:  # the peer itself is gone: fail now, not at the timeout
+            self._failure = CollectiveError(self._backend.failure)
+        else:
+            self._failure = self._backend.stalled_since_failure(self._born)
+            if self._failure is None:
+                return False
+        self._backend.engine.bury([(self._req, self._buffer)])
+        return True
 
     def complete(self) -> None:
         self._req = self._buffer = None
@@ -103,18 +110,19 @@ class CollectiveOp(Work, Pending):
         self._name = name
         self._gen: Generator[Requests, None, None] | None = None
         self._waiting: Requests = ()
-        self._posted: list[tuple[Any, Any]] = []  # every (request, buffer): kept until the op ends
+        self._posted: list[tuple[Any, Any, int]] = []  # every (request, buffer, peer): kept until the op ends
         self._failure: BaseException | None = None
+        self._progressed = time.monotonic()  # when it last advanced
 
     # used by the algorithms
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         req = self._backend.post_send(tensor, dst, tag)
-        self._posted.append((req, tensor))
+        self._posted.append((req, tensor, dst))
         return req
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
         req = self._backend.post_recv(tensor, src, tag)
-        self._posted.append((req, tensor))
+        self._posted.append((req, tensor, src))
         return req
 
     def start(self, gen: Generator[Requests, None, None]) -> Work:
@@ -132,7 +140,11 @@ class CollectiveOp(Work, Pending):
                 for req in self._waiting:
                     if not req.completed:
                         if backend.failure is not None:
-                            raise CollectiveError(backend.failure)
+                            if backend.waits_on_lost_peer(self._posted):
+                                raise CollectiveError(backend.failure)  # it waits on the dead peer
+                            stalled = backend.stalled_since_failure(self._progressed)
+                            if stalled is not None:
+                                raise stalled
                         return False
                 for req in self._waiting:
                     error = backend.request_error(req, None, self._name)
@@ -143,9 +155,11 @@ class CollectiveOp(Work, Pending):
                     self._waiting = next(self._gen)
                 except StopIteration:
                     return True
+                if backend.failure is not None:
+                    self._progressed = time.monotonic()
         except BaseException as error:  # noqa: BLE001 - delivered to the waiter
             self._failure = error
-            self._backend.engine.bury(self._posted)
+            self._backend.engine.bury([(req, buf) for req, buf, _ in self._posted])
             if self._gen is not None:
                 self._gen.close()
             return True
@@ -188,6 +202,21 @@ def _agree_group_id(ctx: BackendContext) -> int:
     return gid % (1 << _GID_BITS)
 
 
+def _group_uses_ucc(ctx: BackendContext) -> bool:
+    """Whether the group being split off is configured with ``ucc`` for this device.
+
+    The kernel asks the parent's backend to split whatever backend the child
+    was configured with; a ucc parent must not answer for a gloo child.
+    """
+    try:
+        from spmd.comm.state import get_state
+
+        group = get_state().groups.get(ctx.group_name)
+        return group is None or group.backend_name(ctx.device_type) == "ucc"
+    except Exception:  # noqa: BLE001 - cannot tell: assume the kernel asked the right backend
+        return True
+
+
 class UccBackend(Backend):
     """The ``ucc`` backend for one group: UCX endpoints shared through the process's engine."""
 
@@ -199,6 +228,7 @@ class UccBackend(Backend):
             raise ValueError(f"the ucc backend supports groups of up to {1 << _RANK_BITS} ranks, not {ctx.size}")
         self.engine: Engine = get_engine()
         self.failure: str | None = None
+        self.failed_at = 0.0
         self._timeout = ctx.timeout.total_seconds()
         self._global = tuple(ctx.global_ranks) or tuple(range(ctx.size))
         self._seq = 0
@@ -236,12 +266,39 @@ class UccBackend(Backend):
         return peer
 
     def peer_failed(self, peer: Peer) -> None:
-        """Called by the engine when a peer process is gone: the group cannot complete anything."""
+        """Called by the engine when a peer process is gone.
+
+        Requests to or from that peer fail at once (the engine closes its
+        endpoint, which cancels them). Operations of this group that wait on
+        other peers go on: a peer that finished its part of the last
+        collective and exited is no error for the others. But one that makes
+        no progress for ``FAILURE_GRACE`` seconds after the failure fails then
+        (it most likely waits, through a live peer, for the dead one), and every
+        new operation of the group fails at once.
+        """
         if self.failure is None and peer in self._peers:
+            self.failed_at = time.monotonic()
             self.failure = (
                 f"peer {peer.label} of group {self.ctx.group_name!r} is unreachable: {peer.failure}. "
                 "The group cannot complete collectives any more; destroy it (spmd.destroy_process_group)"
             )
+
+    def waits_on_lost_peer(self, posted: list[tuple[Any, Any, int]]) -> bool:
+        """Whether a request still pending among ``posted`` is to or from a peer that failed."""
+        peers = self._peers
+        for req, _, rank in posted:
+            peer = peers[rank]
+            if peer is not None and peer.failure is not None and not req.completed:
+                return True
+        return False
+
+    def stalled_since_failure(self, since: float) -> CollectiveError | None:
+        """The error for an operation that waited FAILURE_GRACE s, after a peer failed, without progress."""
+        if self.failure is None:
+            return None
+        if time.monotonic() - max(since, self.failed_at) < FAILURE_GRACE:
+            return None
+        return CollectiveError(f"{self.failure} (no progress for {FAILURE_GRACE:g} s after that)")
 
     def request_error(self, req: Any, peer: Peer | None, what: str) -> BaseException | None:
         """None if the completed request succeeded, else the CollectiveError that explains it."""
@@ -259,21 +316,21 @@ class UccBackend(Backend):
     def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """Post a UCX tag send of ``tensor``'s bytes (contiguous; kept alive by the caller)."""
         peer = self._peers[dst] or self._peer(dst)
-        if self.failure is not None:
-            raise CollectiveError(self.failure)
+        if peer.failure is not None:
+            raise CollectiveError(self.failure or f"peer {peer.label} is unreachable: {peer.failure}")
         return peer.ep.tag_send(self.engine.array(tensor), self.engine.Tag(self._send_base | tag))
 
     def post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
         """Post a UCX tag receive into ``tensor``'s bytes (contiguous; kept alive by the caller)."""
         peer = self._peers[src] or self._peer(src)
-        if self.failure is not None:
-            raise CollectiveError(self.failure)
+        if peer.failure is not None:
+            raise CollectiveError(self.failure or f"peer {peer.label} is unreachable: {peer.failure}")
         return peer.ep.tag_recv(self.engine.array(tensor), self.engine.Tag(self._recv_base[src] | tag))
 
     def _p2p(self, tensor: torch.Tensor, peer_rank: int, tag: int, send: bool) -> Work:
         what = f"{'isend to' if send else 'irecv from'} group rank {peer_rank} (tag {tag})"
-        if self.failure is not None:
-            return Work.failed(CollectiveError(self.failure))
+        # A failed peer elsewhere in the group does not refuse this: the kernel's generic
+        # collectives are made of these, and one in flight may still complete (see peer_failed).
         buf = tensor
         try:
             req = self.post_send(buf, peer_rank, tag) if send else self.post_recv(buf, peer_rank, tag)
@@ -315,8 +372,8 @@ class UccBackend(Backend):
         free = self._scratch_free.get((like.numel(), like.dtype))
         if free:
             return free.pop()
-        if len(self._scratch_free) > 64:
-            self._scratch_free.clear()
+        if len(self._scratch_free) > 64 or like.nbytes > 4 << 20:
+            self._scratch_free.clear()  # bounded: at most 64 sizes, and large ones are not kept
         return torch.empty_like(like)
 
     def _doubling_all_reduce(self, w: CollectiveOp, t: torch.Tensor, op: ReduceOp, tag: int) -> Generator[Requests, None, None]:
@@ -403,6 +460,8 @@ class UccBackend(Backend):
 
     def split(self, ranks: Sequence[int], ctx: BackendContext) -> Backend | None:
         """A sub-group that reuses this group's endpoints (no new connections)."""
+        if not _group_uses_ucc(ctx):
+            return None  # the sub-group was configured with another backend: let the kernel build it
         return UccBackend(ctx, parent=self, members=ranks)
 
     def close(self) -> None:

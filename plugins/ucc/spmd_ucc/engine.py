@@ -217,9 +217,10 @@ class Engine:
             for backend in list(self._backends):
                 backend.peer_failed(peer)
             try:
-                peer.ep.close()  # cancels every request still posted on it
+                closing = peer.ep.close()  # cancels every request still posted on it
             except Exception:  # noqa: BLE001, S110 - the endpoint is gone either way
-                pass
+                continue
+            self._zombies.append((closing, None))  # dropping the request would cancel the close
 
     def add_backend(self, backend: Any) -> None:
         self._backends.add(backend)
@@ -403,23 +404,39 @@ class Engine:
                     poller.poll(10.0)  # without the lock: a waiter can take over at once
 
     def shutdown(self) -> None:
-        """Stop the background thread and close endpoints (at interpreter exit)."""
+        """Tear UCX down at interpreter exit, before Python finalizes.
+
+        Left to garbage collection, UCX's destructors run during finalization
+        and release the GIL; a daemon thread that then returns from a ucxx call
+        (or a UCX error callback into Python) is killed by Python with a forced
+        unwind through C++ frames, which aborts the process ("terminate called
+        without an active exception"). So: stop the background thread, hold the
+        progress lock for good (nobody progresses any more), unhook the endpoint
+        callbacks, and destroy endpoints, workers and contexts now.
+        """
         self._stopping = True
         with self._cond:
             self._cond.notify_all()
         if self._thread.is_alive():
-            self._thread.join(1.0)
-        with self._lock:
-            for peer in list(self._peers.values()):
-                for ep in (peer.sentinel_ep, peer.ep):
-                    if ep is not None:
-                        try:
-                            ep.remove_close_callback()
-                        except Exception:  # noqa: BLE001, S110 - best effort at exit
-                            pass
-            self._peers.clear()
-            self._active.clear()
-            self._zombies.clear()
+            self._thread.join(2.0)
+        if not self._lock.acquire(timeout=2.0):
+            return  # a thread is stuck inside UCX: leave everything as it is
+        for peer in list(self._peers.values()):
+            for ep in (peer.sentinel_ep, peer.ep):
+                if ep is not None:
+                    try:
+                        ep.remove_close_callback()
+                    except Exception:  # noqa: BLE001, S110 - best effort at exit
+                        pass
+            peer.failure = peer.failure or "the process is exiting"
+            peer.ep = peer.sentinel_ep = None  # backends keep Peer objects, not UCX endpoints
+        with self._active_lock:
+            self._active = []
+        self._peers.clear()
+        self._zombies = []
+        self._arrays.clear()
+        self.sentinel_worker = self.sentinel_context = None
+        self.worker = self.context = None
 
 
 _engine: Engine | None = None

@@ -5,9 +5,9 @@ the pytest process (which may have loaded mpi4py, whose UCX clashes with it).
 """
 
 import pytest
-from spmd_ucc import probe
 
 from spmd.testing.conformance import BackendConformance
+from spmd_ucc import probe
 
 pytestmark = pytest.mark.skipif(probe.ucxx_missing() is not None, reason=f"ucc backend not usable here: {probe.ucxx_missing()}")
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from spmd_ucc import probe
 
 pytestmark = pytest.mark.skipif(probe.ucxx_missing() is not None, reason=f"ucc backend not usable here: {probe.ucxx_missing()}")

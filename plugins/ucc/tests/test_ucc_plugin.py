@@ -13,10 +13,10 @@ import time
 
 import pytest
 import torch
-from spmd_ucc import NATIVE_OPS, probe
 
 import spmd
 from spmd.comm.registry import backends
+from spmd_ucc import NATIVE_OPS, probe
 
 needs_ucxx = pytest.mark.skipif(probe.ucxx_missing() is not None, reason=f"ucc backend not usable here: {probe.ucxx_missing()}")
 

@@ -63,3 +63,11 @@ def test_dead_peer_is_a_named_error_not_a_hang(scenario):
         assert res["elapsed"] < DETECTED_WITHIN, res
         # the group is broken: the next op fails without waiting for anyone
         assert res["after"] == "CollectiveError" and res["after_elapsed"] < DETECTED_WITHIN, res
+
+
+def test_a_rank_that_finishes_first_and_exits_is_no_error():
+    """Its last send was delivered; the others go on exchanging and see no failure."""
+    results = run_world("finish_first")
+    for r in (0, 1):
+        assert results[r]["error"] is None, results[r]
+    assert results[1]["saw_failure"], "rank 1 should have noticed rank 2 leaving while it waited"

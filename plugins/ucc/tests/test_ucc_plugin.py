@@ -189,3 +189,32 @@ def _ring_sizes_and_dtypes() -> None:
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_all_reduce_on_uneven_sizes(spmd_world, world_size):
     spmd_world(world_size, "ucc").run(_ring_sizes_and_dtypes, timeout=300)
+
+
+def _ddp_matches_a_local_reference() -> str:
+    """spmd DDP over ucc, small buckets (several async all-reduces in flight during backward)."""
+    import copy
+
+    from torch import nn
+
+    from spmd.parallel import DistributedDataParallel as DDP
+
+    n, r = spmd.get_world_size(), spmd.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    reference = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=0.005)
+    for step in range(4):
+        inputs = [torch.randn(16, 8, generator=torch.Generator().manual_seed(100 * step + i)) for i in range(n)]
+        ddp(inputs[r]).square().mean().backward()
+        (sum(reference(x).square().mean() for x in inputs) / n).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+            p.grad = None
+            q.grad = None
+    return spmd.get_backend()
+
+
+@needs_ucxx
+def test_ddp_over_ucc(spmd_world):
+    assert spmd_world(2, "ucc").run(_ddp_matches_a_local_reference, timeout=120) == ["ucc", "ucc"]

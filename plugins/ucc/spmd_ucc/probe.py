@@ -99,13 +99,69 @@ def transports_setting() -> str:
     return f"UCX_TLS={tls}" if tls else "UCX_TLS unset: UCX picks (shared memory + CMA on one host, TCP/IB across)"
 
 
+def _ucx_info() -> str | None:
+    """The ``ucx_info`` program of the libucx wheel, if it is installed (found without importing it)."""
+    try:
+        spec = importlib.util.find_spec("libucx")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "bin", "ucx_info")
+    return path if os.access(path, os.X_OK) else None
+
+
+@functools.lru_cache(maxsize=1)
+def ucx_info_transports(timeout: float = 20.0) -> list[str] | None:
+    """'transport/device' of every UCX resource here, from ``ucx_info -d`` (a C program, ~0.4 s).
+
+    A separate process, so UCX is not loaded here; None if it cannot tell.
+    """
+    program = _ucx_info()
+    if program is None:
+        return None
+    lib = os.path.join(os.path.dirname(os.path.dirname(program)), "lib")
+    env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [lib, os.environ.get("LD_LIBRARY_PATH")]))}
+    try:
+        done = subprocess.run([program, "-d"], capture_output=True, text=True, timeout=timeout, env=env)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    found, transport = [], None
+    for line in done.stdout.splitlines():
+        words = line.replace("#", " ").split()
+        if words[:1] == ["Transport:"] and len(words) > 1:
+            transport = words[1]
+        elif words[:1] == ["Device:"] and len(words) > 1 and transport:
+            found.append(f"{transport}/{words[1]}")
+    return found
+
+
+class _Description(str):
+    """The backend's description: cheap text, plus the transports UCX finds when it is printed.
+
+    ``spmd doctor`` formats the description; only then is ``ucx_info -d`` run
+    (once, in a subprocess). Everything else sees the cheap text.
+    """
+
+    def __format__(self, spec: str) -> str:
+        found = ucx_info_transports()
+        text = str.__str__(self)
+        if found:
+            text += "; transports found: " + ", ".join(found)
+        return format(text, spec)
+
+
 def describe() -> str:
     """One line for ``spmd plugins`` / ``spmd doctor``: versions and transport setting, cheaply."""
     v = versions()
     if "ucxx" not in v:
         return f"UCX through ucxx (not installed: {INSTALL_HINT})"
     ucx = f"UCX {v['ucx']}" if "ucx" in v else "UCX"
-    return f"{ucx} through ucxx {v['ucxx']}; {transports_setting()}; `python -m spmd_ucc.probe` lists the transports found"
+    defaults = ", ".join(f"UCX_{k}={v}" for k, v in ucx_config().items())
+    added = f"; spmd-ucc adds {defaults}" if defaults else ""
+    return _Description(f"{ucx} through ucxx {v['ucxx']}; {transports_setting()}{added}")
 
 
 @functools.lru_cache(maxsize=1)

@@ -59,6 +59,9 @@ def test_loading_plugins_and_doctor_do_not_import_ucxx():
     assert done.returncode == 0, done.stderr
     doctor = subprocess.run([sys.executable, "-m", "spmd", "doctor"], capture_output=True, text=True)
     assert "ucc [cpu] from ucc" in doctor.stdout
+    if probe.ucxx_missing() is None:
+        # version and transports, the latter from `ucx_info -d` in a subprocess (UCX is not loaded)
+        assert "UCX 1." in doctor.stdout and "transports found: " in doctor.stdout, doctor.stdout
 
 
 def test_without_ucxx_the_reason_says_what_to_install():

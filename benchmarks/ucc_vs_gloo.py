@@ -6,12 +6,18 @@
 
 One job runs both backends: the world group uses Gloo and a second group of
 the same ranks uses ucc (``spmd.new_group(backend="ucc")``). Both sides
-reuse preallocated buffers. For each size the two alternate call by call
-(ucc, gloo, gloo, ucc, ...) so that machine noise (this host is shared) hits
-both alike; the table shows the median per-call time of each, the ratio
-ucc/gloo (below 1.0: ucc faster), the algorithm bandwidth (bytes / time) of
-each, and gloo2/gloo: a second, identical Gloo group against the first, the
-noise floor of the ratio. Sizes are the bytes of the per-rank float32 tensor.
+reuse preallocated buffers. For each size the sides alternate call by call
+(ucc, gloo, gloo2, then gloo, gloo2, ucc, ...) so that machine noise (this
+host is shared) hits all alike. The table shows the median latency of each
+side, call by call from the moment the last rank entered to the moment the
+last rank left (the ranks' CLOCK_MONOTONIC is one clock on one host), the
+ratio ucc/gloo (below 1.0: ucc faster), the algorithm bandwidth (bytes /
+latency), gloo2/gloo (a second, identical Gloo group against the first: the
+noise floor of the ratio), and the wall ratio: the same ratio of rank 0's
+per-call wall time, which also charges to a call the time rank 0 waits for
+a peer still finishing the previous call of another side (Gloo's one-element
+all-reduce leaves its ranks ~40 us apart, and the next call pays it). Sizes
+are the bytes of the per-rank float32 tensor.
 """
 
 from __future__ import annotations
@@ -55,17 +61,37 @@ def side(group, nbytes: int):  # type: ignore[no-untyped-def]
     return lambda: spmd.all_reduce(next(bufs), group=group)
 
 
-def time_interleaved(sides, iters: int, barrier) -> list[list[float]]:  # type: ignore[no-untyped-def]
-    """Per-call times of every side, rotating which goes first call by call."""
-    logs: list[list[float]] = [[] for _ in sides]
+def time_interleaved(sides, iters: int, barrier) -> list[list[tuple[float, float]]]:  # type: ignore[no-untyped-def]
+    """(start, end) of every call of every side, rotating which goes first call by call.
+
+    CLOCK_MONOTONIC is one clock for every process on a host, so the ranks'
+    logs can be compared call by call.
+    """
+    logs: list[list[tuple[float, float]]] = [[] for _ in sides]
     barrier()
     for i in range(iters):
         for k in range(len(sides)):
             j = (i + k) % len(sides)
-            start = time.perf_counter()
+            start = time.monotonic()
             sides[j]()
-            logs[j].append(time.perf_counter() - start)
+            logs[j].append((start, time.monotonic()))
     return logs
+
+
+def medians(all_logs: list[list[list[tuple[float, float]]]]) -> tuple[list[float], list[float]]:
+    """Per side: the median call as rank 0 timed it, and the median collective latency.
+
+    The latency of call i is from the moment the last rank entered it to the
+    moment the last rank left it: a rank that arrives early (because its
+    previous call, of another side, ended earlier on it) waits, and that wait
+    belongs to neither side, yet rank 0's wall time charges it to this one.
+    """
+    wall, latency = [], []
+    for j in range(len(all_logs[0])):
+        wall.append(statistics.median(end - start for start, end in all_logs[0][j]))
+        calls = zip(*(rank_logs[j] for rank_logs in all_logs))
+        latency.append(statistics.median(max(e for _, e in c) - max(s for s, _ in c) for c in calls))
+    return wall, latency
 
 
 def human(n: int) -> str:
@@ -107,15 +133,21 @@ def worker(args: argparse.Namespace) -> None:
                 profiler.disable()
 
             sides[0] = profiled
-        t_ucc, t_gloo, t_ctl = time_interleaved(sides, iterations(nbytes) * args.rounds, barrier)
-        med_ucc, med_gloo, med_ctl = (statistics.median(t) for t in (t_ucc, t_gloo, t_ctl))
+        logs = time_interleaved(sides, iterations(nbytes) * args.rounds, barrier)
+        store.set(f"bench/{nbytes}/{rank}", json.dumps(logs))
+        if rank != 0:
+            continue
+        all_logs = [json.loads(store.get(f"bench/{nbytes}/{r}")) for r in range(world)]
+        (w_ucc, w_gloo, w_ctl), (med_ucc, med_gloo, med_ctl) = medians(all_logs)
         row = {"bytes": nbytes, "ucc_s": med_ucc, "gloo_s": med_gloo, "ratio": med_ucc / med_gloo,
                "ucc_GBps": nbytes / med_ucc / 1e9, "gloo_GBps": nbytes / med_gloo / 1e9,
-               "control_ratio": med_ctl / med_gloo}
+               "control_ratio": med_ctl / med_gloo, "wall_ratio": w_ucc / w_gloo,
+               "ucc_wall_s": w_ucc, "gloo_wall_s": w_gloo}
         results.append(row)
-        if rank == 0 and not args.json:
+        if not args.json:
             print(f"{human(nbytes):>8s} {med_ucc * 1e6:11.1f} {med_gloo * 1e6:11.1f} {row['ratio']:7.3f} "
-                  f"{row['ucc_GBps']:8.3f} {row['gloo_GBps']:8.3f} {row['control_ratio']:9.3f}", flush=True)
+                  f"{row['ucc_GBps']:8.3f} {row['gloo_GBps']:8.3f} {row['control_ratio']:9.3f} "
+                  f"{row['wall_ratio']:10.3f}", flush=True)
     if rank == 0 and args.json:
         print(json.dumps(results, indent=1))
     if profiler is not None:
@@ -143,9 +175,11 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     if not args.json:
-        print(f"{args.world_size} ranks, all_reduce float32 SUM; median per call, ucc and gloo alternating call by "
-              "call; ratio = ucc / gloo (below 1: ucc faster); gloo2/gloo = control")
-        print(f"{'size':>8s} {'ucc us':>11s} {'gloo us':>11s} {'ratio':>7s} {'ucc GB/s':>8s} {'gloo GB/s':>8s} {'gloo2/gloo':>9s}")
+        print(f"{args.world_size} ranks, all_reduce float32 SUM, ucc and gloo alternating call by call. Median "
+              "latency per call (last rank in -> last rank out); ratio = ucc / gloo (below 1: ucc faster); "
+              "gloo2/gloo = control; wall ratio = the same ratio of rank 0's per-call wall time")
+        print(f"{'size':>8s} {'ucc us':>11s} {'gloo us':>11s} {'ratio':>7s} {'ucc GB/s':>8s} {'gloo GB/s':>8s} "
+              f"{'gloo2/gloo':>9s} {'wall ratio':>10s}")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.world_size),
            "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env={**env, "RANK": str(r)}) for r in range(args.world_size)]

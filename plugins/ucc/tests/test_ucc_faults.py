@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from spmd.testing.ports import free_port
 from spmd_ucc import probe
 
 pytestmark = pytest.mark.skipif(probe.ucxx_missing() is not None, reason=f"ucc backend not usable here: {probe.ucxx_missing()}")
@@ -27,9 +27,7 @@ DETECTED_WITHIN = 8.0  # seconds; typically well under one (a busy shared machin
 
 
 def run_world(scenario: str, world: int = 3, extra_env: dict[str, str] | None = None) -> dict[int, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
                  "OMP_NUM_THREADS": "1", **(extra_env or {})})

@@ -230,7 +230,7 @@ class UccBackend(Backend):
         super().__init__(ctx)
         if ctx.size > 1 << _RANK_BITS:
             raise ValueError(f"the ucc backend supports groups of up to {1 << _RANK_BITS} ranks, not {ctx.size}")
-        self.engine: Engine = get_engine()
+        self.engine: Engine = get_engine(ctx.options)
         self.failure: str | None = None
         self.failed_at = 0.0
         self._timeout = ctx.timeout.total_seconds()

@@ -32,6 +32,7 @@ import os
 import select
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -121,12 +122,12 @@ class Peer:
 class Engine:
     """UCX context, worker and progress for this process (use ``get_engine()``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
         libucxx = import_ucxx()
         self.libucxx = libucxx
         self.Array = _Array
         self.Tag = libucxx.UCXXTag
-        self.config = probe.ucx_config()
+        self.config = probe.ucx_config(options)
         features = (libucxx.Feature.TAG, libucxx.Feature.WAKEUP)
         self.context = libucxx.UCXContext(config_dict=self.config, feature_flags=features)
         self.worker = libucxx.UCXWorker(self.context)
@@ -443,14 +444,26 @@ _engine: Engine | None = None
 _engine_lock = threading.Lock()
 
 
-def get_engine() -> Engine:
-    """The process's engine, created on first use."""
+def get_engine(options: dict[str, Any] | None = None) -> Engine:
+    """The process's engine, created on first use with that group's ``ucx_*`` options.
+
+    One UCX context per process: the first group to use ``ucc`` decides its
+    settings; a later group asking for different ones gets a warning.
+    """
     global _engine
     if _engine is None:
         with _engine_lock:
             if _engine is None:
-                _engine = Engine()
+                _engine = Engine(options)
                 atexit.register(_engine.shutdown)
+                return _engine
+    wanted = probe.ucx_config(options)
+    if any(_engine.config.get(k) != v for k, v in wanted.items()):
+        warnings.warn(
+            f"spmd-ucc: this process's UCX context was created with {_engine.config}; the group "
+            f"options asking for {wanted} cannot change it (one UCX context per process)",
+            stacklevel=3,
+        )
     return _engine
 
 

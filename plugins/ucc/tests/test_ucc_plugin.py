@@ -221,3 +221,26 @@ def _ddp_matches_a_local_reference() -> str:
 @needs_ucxx
 def test_ddp_over_ucc(spmd_world):
     assert spmd_world(2, "ucc").run(_ddp_matches_a_local_reference, timeout=120) == ["ucc", "ucc"]
+
+
+def _all_reduce_sizes() -> dict:
+    n = spmd.get_world_size()
+    for numel in (1, 1000, (3 << 20) + 5):
+        t = torch.ones(numel)
+        spmd.all_reduce(t)
+        assert torch.all(t == n)
+    engine = spmd.comm.state.get_state().world.backend("cpu").engine
+    return dict(engine.config)
+
+
+@needs_ucxx
+def test_tcp_only_through_ucx_tls():
+    """UCX's own variable picks the transport: everything over TCP (as across hosts) still works."""
+    from spmd.testing.world import World
+
+    world = World(2, "ucc", env={"UCX_TLS": "tcp,self"})
+    try:
+        configs = world.run(_all_reduce_sizes, timeout=120)
+    finally:
+        world.close()
+    assert configs[0]["MM_ERROR_HANDLING"] == "y"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,15 +14,14 @@ import torch
 import spmd
 from spmd.debug import analyze
 from spmd.debug.recorder import FlightRecorder
+from spmd.testing.ports import free_port
 
 SCRIPT = Path(__file__).parent / "fault_scripts" / "fault.py"
 TIMEOUT = 3.0
 
 
 def run_world(scenario: str, backend: str, trace_dir: Path, extra_env: dict[str, str] | None = None) -> dict[int, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3", "OMP_NUM_THREADS": "1",
                  "SPMD_TRACE_DIR": str(trace_dir), "SPMD_WATCHDOG_INTERVAL": "0.5", **(extra_env or {})})

@@ -1,7 +1,6 @@
 """init from every source, groups, async overlap."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -10,6 +9,7 @@ import torch
 
 import helpers
 import spmd
+from spmd.testing.ports import free_port
 
 SCRIPT = textwrap.dedent(
     """
@@ -23,12 +23,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, env_for_rank, args=()):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
@@ -40,13 +34,13 @@ def _launch(tmp_path, env_for_rank, args=()):
 
 
 def test_env_init_reads_torchrun_variables(tmp_path):
-    port = _free_port()
+    port = free_port()
     out = _launch(tmp_path, lambda r: {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert out == ["rank=0 world=2 sum=3", "rank=1 world=2 sum=3"]
 
 
 def test_tcp_init_method(tmp_path):
-    port = _free_port()
+    port = free_port()
     script = tmp_path / "tcp.py"
     script.write_text(SCRIPT.replace('init_method=sys.argv[1] if len(sys.argv) > 1 else None', 'init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2'))
     procs = [subprocess.Popen([sys.executable, str(script), f"tcp://127.0.0.1:{port}", str(r)], stdout=subprocess.PIPE, text=True) for r in range(2)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from spmd.testing.ports import free_port
+
 SCRIPTS = Path(__file__).parent / "launch_scripts"
 EXAMPLES = Path(__file__).parent.parent / "examples"
 SPMD = [sys.executable, "-m", "spmd"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:

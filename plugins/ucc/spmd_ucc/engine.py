@@ -321,7 +321,8 @@ class Engine:
         if sentinel is not None and not sentinel.arm():
             sentinel.progress()
             return
-        limit = 50.0 if timeout_s is None else min(max(timeout_s, 0.0), 50.0)
+        # At most 50 ms: rounds also check the sentinel and the failure grace, not only events.
+        limit = 0.05 if timeout_s is None else min(max(timeout_s, 0.0), 0.05)
         for fd, _ in poller.poll(limit * 1000.0):
             if sentinel is not None and fd == self._fds[-1] and len(self._fds) > 1:
                 self._next_sentinel = 0.0  # progress it in the next round

@@ -123,7 +123,8 @@ class ProcessGroup:
             global_ranks=self.ranks,
         )
         backend = None
-        if self.parent is not None and device_type in self.parent._backends:
+        same_backend = self.parent is not None and self.parent.backend_name(device_type) == spec.name
+        if self.parent is not None and device_type in self.parent._backends and same_backend:
             parent_backend = self.parent._backends[device_type]
             local = [self.parent.group_rank(r) for r in self.ranks]
             backend = parent_backend.split(local, ctx)

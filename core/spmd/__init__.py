@@ -9,6 +9,7 @@ needs few other edits::
     spmd.all_reduce(t, op=spmd.ReduceOp.SUM)
 """
 
+from spmd import parallel  # noqa: E402 - strategies need the names above
 from spmd.comm.backend import Backend, BackendContext, BackendSpec
 from spmd.comm.collectives import (
     all_gather,
@@ -104,6 +105,7 @@ __all__ = [
     "is_initialized",
     "isend",
     "new_group",
+    "parallel",
     "recv",
     "reduce",
     "reduce_scatter",

@@ -392,6 +392,25 @@ def _check_list(items: Sequence[torch.Tensor], g: ProcessGroup, like: torch.Tens
             )
 
 
+def _check_root_list(
+    g: ProcessGroup, root: int, items: Sequence[torch.Tensor] | None, like: torch.Tensor, what: str, op: str, role: str
+) -> None:
+    """The root of gather/scatter passes one tensor per rank; every other rank passes none."""
+    if g.rank == root:
+        if items is None:
+            raise ValueError(f"{op}: the {role} rank must pass {what}, one tensor per rank")
+        _check_list(items, g, like, what, op)
+    elif items:
+        raise ValueError(f"{op}: only the {role} rank ({root} in the group) passes {what}")
+
+
+def _unpack_blocks(items: Sequence[torch.Tensor], packed: torch.Tensor, blocks: int) -> None:
+    """Copy equal blocks of a flat buffer back into the caller's list of tensors."""
+    if packed.numel():
+        for item, block in zip(items, packed.chunk(blocks)):
+            item.copy_(block.view(item.shape))
+
+
 def _finish_list(work: Work, async_op: bool) -> Work | None:
     if async_op:
         return work
@@ -415,9 +434,7 @@ def all_gather(
     assert work is not None
 
     def unpack() -> None:
-        if packed.numel():
-            for item, block in zip(tensor_list, packed.chunk(g.size)):
-                item.copy_(block.view(item.shape))
+        _unpack_blocks(tensor_list, packed, g.size)
         _pool.release(flat)
 
     return _finish_list(_then(work, unpack), async_op)
@@ -522,12 +539,7 @@ def gather(
     _check_tensor(tensor, "tensor", "gather")
     root = _root(g, 0 if dst is None and group_dst is None else dst, group_dst, "dst", "gather")
     is_root = g.rank == root
-    if is_root:
-        if gather_list is None:
-            raise ValueError("gather: the destination rank must pass gather_list, one tensor per rank")
-        _check_list(gather_list, g, tensor, "gather_list", "gather")
-    elif gather_list:
-        raise ValueError(f"gather: only the destination rank ({root} in the group) passes gather_list")
+    _check_root_list(g, root, gather_list, tensor, "gather_list", "gather", "destination")
     backend = g.backend_for(tensor)
     call = _begin(g, "gather", (tensor,), None, root)
     staged = _Contiguous(tensor)
@@ -536,9 +548,8 @@ def gather(
     work = backend.gather(packed, staged.tensor, root)
 
     def unpack() -> None:
-        if packed is not None and gather_list is not None and packed.numel():
-            for item, block in zip(gather_list, packed.chunk(g.size)):
-                item.copy_(block.view(item.shape))
+        if packed is not None and gather_list is not None:
+            _unpack_blocks(gather_list, packed, g.size)
         if flat is not None:
             _pool.release(flat)
         staged.release()
@@ -559,14 +570,8 @@ def scatter(
     _check_tensor(tensor, "tensor", "scatter")
     root = _root(g, 0 if src is None and group_src is None else src, group_src, "src", "scatter")
     is_root = g.rank == root
-    packed = None
-    if is_root:
-        if scatter_list is None:
-            raise ValueError("scatter: the source rank must pass scatter_list, one tensor per rank")
-        _check_list(scatter_list, g, tensor, "scatter_list", "scatter")
-        packed = torch.cat([t.reshape(-1) for t in scatter_list])
-    elif scatter_list:
-        raise ValueError(f"scatter: only the source rank ({root} in the group) passes scatter_list")
+    _check_root_list(g, root, scatter_list, tensor, "scatter_list", "scatter", "source")
+    packed = torch.cat([t.reshape(-1) for t in scatter_list]) if is_root and scatter_list is not None else None
     backend = g.backend_for(tensor)
     call = _begin(g, "scatter", (tensor,), None, root)
     staged = _Contiguous(tensor, copy_in=False)

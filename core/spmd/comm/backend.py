@@ -123,14 +123,21 @@ class _GenericRunner:
                 work._finish(None, error)
             else:
                 work._finish(None, None)
+            # Drop the op's closure (and its tensors) now: freed later, at interpreter exit, a
+            # tensor's destructor on this daemon thread aborts the process (torch releases the
+            # GIL in it, and Python kills a thread that retakes the GIL while finalizing).
+            del item, work, fn
 
     def submit(self, fn: Callable[[], None]) -> Work:
         work = Work()
         self._queue.put((work, fn))
         return work
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
+        """Let queued ops finish, then end the thread (waits up to ``timeout`` seconds)."""
         self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
 
 class Backend(abc.ABC):

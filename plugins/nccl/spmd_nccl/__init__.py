@@ -41,7 +41,7 @@ def _available() -> str | None:
     except library.NcclLibraryError as error:
         return f"{error}. Install: {INSTALL}"
     where = f"NCCL {lib.version_string} loaded from {lib.path} (via {lib.source})"
-    from spmd_nccl.backend import cuda_unavailable_reason
+    from spmd_nccl.cuda import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason()
     if reason is not None:

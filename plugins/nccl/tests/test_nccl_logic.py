@@ -29,7 +29,7 @@ import spmd
 from spmd.comm.work import WorkList
 from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError  # noqa: E402
 from spmd_nccl import backend as nb  # noqa: E402
-from spmd_nccl import library, mapping  # noqa: E402
+from spmd_nccl import communicator, library, mapping  # noqa: E402
 
 
 # -- fakes ---------------------------------------------------------------------------------
@@ -377,7 +377,7 @@ def test_close_finalizes_then_destroys(cuda: FakeCuda, lib: FakeLib, comms: list
 
 def test_close_aborts_when_finalize_cannot_finish(cuda: FakeCuda, lib: FakeLib, comms: list, monkeypatch: pytest.MonkeyPatch) -> None:
     comm = make(comms, lib)
-    monkeypatch.setattr(nb, "CLOSE_TIMEOUT", 0.2)
+    monkeypatch.setattr(communicator, "CLOSE_TIMEOUT", 0.2)
     lib.results["ncclCommFinalize"] = [library.ncclInProgress]
     lib.async_states = [library.ncclInProgress] * 100000
     comm.close()

@@ -1,0 +1,114 @@
+"""The watcher: one daemon thread per communicator that notices completion, timeouts and async errors.
+
+It polls the events of outstanding ops (marking them complete and dropping
+their tensors), checks ``ncclCommGetAsyncError``, and aborts the communicator
+when an op outlives the group timeout. A timeout raises the kernel's
+CollectiveTimeoutError; after an abort the group's CUDA ops raise instead of
+hanging. It also issues queued isend/irecv that nobody waits on, once nothing
+new was posted for ``P2P_FLUSH_DELAY``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from spmd.comm.work import timeout_error
+from spmd_nccl import library as nccl
+from spmd_nccl.cuda import allow_queries_during_other_threads_captures, on_device
+from spmd_nccl.errors import NcclError
+
+if TYPE_CHECKING:
+    from spmd_nccl.communicator import Communicator
+    from spmd_nccl.work import NcclWork
+
+log = logging.getLogger("spmd.nccl")
+
+#: Seconds after the last isend/irecv was posted before the watcher issues the queue by itself
+#: (for a send nobody waits on). Measured from the last post, so a burst posted together
+#: (irecv, isend) is never split: split, each rank's lone irecv could block its stream.
+P2P_FLUSH_DELAY = 0.05
+#: The watcher's poll interval while ops are outstanding, and its idle check interval.
+POLL_INTERVAL = 0.002
+IDLE_INTERVAL = 0.5
+
+
+def watch(comm: Communicator) -> None:
+    """The thread's body: poll until the communicator is stopped, closed or aborted."""
+    try:
+        torch.cuda.set_device(comm.device)
+        allow_queries_during_other_threads_captures()
+    except Exception as error:  # noqa: BLE001 - a watcher that cannot start must not kill the job
+        log.warning("spmd-nccl watcher for %s could not start: %s", comm.where(), error)
+        return
+    last_async_check = 0.0
+    while not comm._stopped:
+        busy = bool(comm._outstanding or comm._pending)
+        comm._wake.wait(POLL_INTERVAL if busy else IDLE_INTERVAL)
+        comm._wake.clear()
+        if comm._stopped or comm.handle is None:
+            return
+        try:
+            poll_once(comm)
+            now = time.monotonic()
+            if now - last_async_check > 0.05:
+                last_async_check = now
+                check_async_error(comm)
+        except Exception as error:  # noqa: BLE001 - keep watching; the op's waiter sees the failure
+            log.debug("spmd-nccl watcher: %s", error)
+
+
+def poll_once(comm: Communicator) -> None:
+    """Flush a stale point-to-point queue, complete the finished Works, abort at the first late one."""
+    now = time.monotonic()
+    pending = comm._pending
+    if pending and now - pending[-1].posted_at >= P2P_FLUSH_DELAY and not any(p.captured for p in pending):
+        if comm.lock.acquire(blocking=False):
+            try:
+                if comm._pending and not any(p.captured for p in comm._pending):
+                    with on_device(comm.device):
+                        comm._flush_locked()
+            finally:
+                comm.lock.release()
+    with comm._works_lock:
+        works = list(comm._outstanding)
+    done: list[NcclWork] = []
+    late: NcclWork | None = None
+    for work in works:
+        if work._is_done or (work._cuda_event is not None and work._cuda_event.query()):
+            done.append(work)
+        elif late is None and now - work._issued_at > comm.timeout_s:
+            late = work
+    if done:
+        finished = set(map(id, done))
+        with comm._works_lock:
+            comm._outstanding = [w for w in comm._outstanding if id(w) not in finished]
+        if comm.error is None:
+            for work in done:
+                work._succeeded()
+    if late is not None:
+        comm.abort(timeout_error(
+            late.description, comm.timeout_s,
+            f"NCCL: spmd-nccl's watcher aborted the communicator of group {comm.group!r} (ncclCommAbort)",
+        ))
+
+
+def check_async_error(comm: Communicator) -> None:
+    """Abort the communicator when ncclCommGetAsyncError reports a failure (unless NCCL is busy)."""
+    if not comm.lock.acquire(blocking=False):
+        return  # the program's thread is inside NCCL; it sees errors itself
+    try:
+        if comm.handle is None:
+            return
+        state = comm._async_state()
+        if state not in (nccl.ncclSuccess, nccl.ncclInProgress):
+            comm._abort_locked(NcclError(
+                f"NCCL reported an asynchronous error on {comm.where()}: {comm.lib.describe(state, comm.handle)}",
+                state,
+            ))
+    finally:
+        comm.lock.release()
+

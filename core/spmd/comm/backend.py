@@ -149,6 +149,10 @@ class Backend(abc.ABC):
     Work at once; generic collectives run on a worker thread.
     """
 
+    #: Whether ``all_reduce``/``reduce``/``reduce_scatter_tensor`` accept ``ReduceOp.AVG``. A
+    #: backend that sets False receives SUM and the kernel divides afterwards.
+    supports_avg: bool = True
+
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx
 

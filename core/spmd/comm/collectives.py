@@ -21,8 +21,6 @@ from spmd.comm.state import resolve_group
 from spmd.comm.work import Work
 from spmd.debug import desync
 from spmd.debug.recorder import Entry, recorder
-from spmd.debug.watchdog import diagnose
-from spmd.errors import CollectiveError, CollectiveTimeoutError, SpmdError
 
 _pool = BufferPool()
 
@@ -58,12 +56,6 @@ def _root(group: ProcessGroup, rank: int | None, group_rank: int | None, what: s
     if not isinstance(rank, int) or rank < 0:
         raise ValueError(f"{op}: {what}={rank!r} is not a valid rank; ranks are 0..{group.size - 1}")
     return group.group_rank(rank)
-
-
-def _describe(group: ProcessGroup, op: str, seq: int) -> str:
-    if seq < 0:
-        return f"{op} on group {group.name!r} (ranks {list(group.ranks)})"
-    return f"{op} on group {group.name!r} (seq {seq}, ranks {list(group.ranks)})"
 
 
 # -- completion ----------------------------------------------------------------------
@@ -126,25 +118,12 @@ def _begin(
     root: int | None = None,
 ) -> Entry:
     """Take the next sequence number, record the op, and run the desync check if it is on."""
-    entry = recorder.start(group.name, group.next_seq(), op, tensors, reduce_op)
-    if desync.enabled():
+    seq = group.seq
+    group.seq = seq + 1
+    entry = recorder.start(group.name, seq, op, tensors, reduce_op)
+    if desync.on:
         desync.check(group, entry, root)
     return entry
-
-
-def _explain_failure(group: ProcessGroup, entry: Entry, error: BaseException) -> BaseException:
-    """The kernel's error for a failed or timed-out op: the backend's message plus who is stuck where."""
-    if not isinstance(error, (CollectiveTimeoutError, CollectiveError)):
-        if isinstance(error, SpmdError) or not isinstance(error, Exception):
-            return error
-        # A backend's own exception (a peer vanished, a socket closed): name the op it broke.
-        error = CollectiveError(f"{_describe(group, entry.op, entry.seq)} failed in the backend: {type(error).__name__}: {error}")
-    what = "timed out" if isinstance(error, CollectiveTimeoutError) else "failed"
-    desc = _describe(group, entry.op, entry.seq)
-    text = str(error) if str(error).startswith(desc) else f"{desc} {what}: {error}"
-    explained = type(error)(f"{text}{diagnose(group, entry, what)}")
-    explained.__cause__ = error
-    return explained
 
 
 def _complete(
@@ -155,16 +134,21 @@ def _complete(
     async_op: bool,
     after: Callable[[], None] | None = None,
 ) -> Work | None:
-    """Attach timeout, description and recorder entry to ``work``; wait for it unless ``async_op``."""
+    """Attach timeout, group and recorder entry to ``work``; wait for it unless ``async_op``.
+
+    The hot path of every op: a few attribute stores, no closures. The
+    description and the diagnosis of a failure are derived from the group and
+    the entry only when an error needs them (``Work.description``, ``Work._explain``).
+    """
     work.default_timeout = group.timeout_s
-    seq = entry.seq
-    work._describe = lambda: _describe(group, op, seq)  # formatted only if an error needs it
     work._entry = entry
-    work._on_error = lambda error: _explain_failure(group, entry, error)
+    work._group = group
+    if op is not entry.op:  # point-to-point: "isend to rank 3 (tag 0)"
+        work._describe = lambda: group.describe(op)
     if async_op:
         if after is not None:
             work = _then(work, after)
-            work._on_error = lambda error: _explain_failure(group, entry, error)
+            work._entry, work._group = entry, group
         recorder.watch(entry, work)
         return work
     work.wait()  # the synchronous path waits natively, with no callback hop
@@ -232,7 +216,7 @@ def _average(tensor: torch.Tensor, size: int) -> Callable[[], None]:
 
 def _native_op(backend: Backend, op: ReduceOp) -> ReduceOp:
     """AVG becomes SUM for backends that cannot average (the kernel divides afterwards)."""
-    if op is ReduceOp.AVG and not getattr(backend, "supports_avg", True):
+    if op is ReduceOp.AVG and not backend.supports_avg:
         return ReduceOp.SUM
     return op
 
@@ -245,9 +229,9 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Process
     check_reduce_op(op, tensor.dtype)
     backend = g.backend_for(tensor)
     call = _begin(g, "all_reduce", (tensor,), op, None)
+    if tensor.is_contiguous() and (op is not ReduceOp.AVG or backend.supports_avg):
+        return _complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op)  # nothing to stage
     native = _native_op(backend, op)
-    if native is op and tensor.is_contiguous():  # the fast path: nothing to stage or finish
-        return _complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op)
     staged = _Contiguous(tensor)
     work = backend.all_reduce(staged.tensor, native)
     steps = [_average(staged.tensor, g.size)] if native is not op else []

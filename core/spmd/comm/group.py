@@ -47,6 +47,9 @@ class ProcessGroup:
         self._root_store = store
         self.store = tdist.PrefixStore(f"spmd/{name}/", store)
         self._backends: dict[str, Backend] = {}
+        #: The same backends keyed by torch.device: ``tensor.device`` is a cheap key, while
+        #: ``tensor.device.type`` costs a string conversion on every call (hot path).
+        self._by_device: dict[torch.device, Backend] = {}
         self._lock = threading.Lock()
         self._global_to_group = {g: i for i, g in enumerate(self.ranks)}
         self.seq = 0  # collectives issued on this group, in program order
@@ -96,8 +99,13 @@ class ProcessGroup:
         return backend
 
     def backend_for(self, tensor: torch.Tensor) -> Backend:
-        backend = self._backends.get(tensor.device.type)
-        return backend if backend is not None else self.backend(tensor.device.type)
+        """The backend for ``tensor``'s device (created on first use)."""
+        device = tensor.device
+        backend = self._by_device.get(device)
+        if backend is None:
+            backend = self.backend(device.type)
+            self._by_device[device] = backend
+        return backend
 
     def _create_backend(self, device_type: str) -> Backend:
         entry = backends().get(self.backend_name(device_type))
@@ -151,8 +159,15 @@ class ProcessGroup:
         """Close every backend this group created."""
         with self._lock:
             created, self._backends = self._backends, {}
+            self._by_device = {}
         for backend in created.values():
             backend.close()
+
+    def describe(self, op: str, seq: int = -1) -> str:
+        """``op`` on this group, for messages ("all_reduce on group 'world' (seq 12, ranks [0, 1])")."""
+        if seq < 0:
+            return f"{op} on group {self.name!r} (ranks {list(self.ranks)})"
+        return f"{op} on group {self.name!r} (seq {seq}, ranks {list(self.ranks)})"
 
     def next_seq(self) -> int:
         seq = self.seq

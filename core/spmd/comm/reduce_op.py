@@ -31,8 +31,20 @@ def is_floating(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+#: dtypes already checked per op (keyed by ``id(op)``: an Enum's hash runs Python code).
+_CHECKED: dict[int, set[torch.dtype]] = {}
+
+
 def check_reduce_op(op: ReduceOp, dtype: torch.dtype) -> None:
     """Raise a clear TypeError when ``op`` makes no sense for ``dtype``."""
+    checked = _CHECKED.get(id(op))
+    if checked is not None and dtype in checked:
+        return
+    _check(op, dtype)
+    _CHECKED.setdefault(id(op), set()).add(dtype)
+
+
+def _check(op: ReduceOp, dtype: torch.dtype) -> None:
     if not isinstance(op, ReduceOp):
         raise TypeError(f"op must be a spmd.ReduceOp, got {op!r}; use e.g. spmd.ReduceOp.SUM")
     if op in _BITWISE and is_floating(dtype):

@@ -52,8 +52,10 @@ class Work:
     default_timeout: float | None = None
     _description: str = "operation"
     _describe: Callable[[], str] | None = None
-    #: Set by the kernel: the flight-recorder entry this Work completes, and how to explain a failure.
+    #: Set by the kernel: the flight-recorder entry this Work completes and the group it ran on
+    #: (from which the description and the diagnosis of a failure are made, only when needed).
     _entry: Any = None
+    _group: Any = None
     _on_error: Callable[[BaseException], BaseException] | None = None
     _explained: BaseException | None = None
 
@@ -62,6 +64,8 @@ class Work:
         """What this Work is, for error messages ("all_reduce on group 'world' (seq 12, ...)")."""
         if self._describe is not None:
             return self._describe()
+        if self._group is not None and self._entry is not None:
+            return self._group.describe(self._entry.op, self._entry.seq)
         return self._description
 
     @description.setter
@@ -151,9 +155,7 @@ class Work:
         ``timeout`` is seconds or a timedelta; None means the kernel's default
         for this Work (the group timeout). Returns True, like torch's Work.
         """
-        limit = seconds(timeout)
-        if limit is None:
-            limit = self.default_timeout
+        limit = self.default_timeout if timeout is None else seconds(timeout)
         if not self._wait_native(limit):
             error = timeout_error(self.description, limit)
             if self._entry is not None:
@@ -165,10 +167,15 @@ class Work:
 
     def _explain(self, error: BaseException) -> BaseException:
         """The error to raise: the kernel's diagnosis of it when it has one (computed once)."""
-        if self._on_error is None:
-            return error
         if self._explained is None:
-            self._explained = self._on_error(error)
+            if self._on_error is not None:
+                self._explained = self._on_error(error)
+            elif self._group is not None and self._entry is not None:
+                from spmd.comm.failures import explain_failure  # the error path only
+
+                self._explained = explain_failure(self._group, self._entry, error)
+            else:
+                return error
         return self._explained
 
     def is_completed(self) -> bool:

@@ -22,20 +22,24 @@ from spmd.errors import CollectiveDesyncError, CollectiveTimeoutError
 _SHAPES_MAY_DIFFER = {"all_to_all_single", "gather", "scatter", "barrier"}
 
 
-_enabled: bool | None = None
+def _read_switch() -> bool:
+    return os.environ.get("SPMD_DESYNC_CHECK", "0") not in ("", "0", "false")
+
+
+#: Whether checks are on (``SPMD_DESYNC_CHECK``; read at import and at each ``spmd.init``).
+#: A plain module attribute: the kernel tests it before every collective.
+on: bool = _read_switch()
 
 
 def enabled() -> bool:
-    """Whether checks are on (``SPMD_DESYNC_CHECK``, read once; ``refresh()`` re-reads it)."""
-    global _enabled
-    if _enabled is None:
-        _enabled = os.environ.get("SPMD_DESYNC_CHECK", "0") not in ("", "0", "false")
-    return _enabled
+    """Whether checks are on."""
+    return on
 
 
 def refresh() -> None:
-    global _enabled
-    _enabled = None
+    """Re-read ``SPMD_DESYNC_CHECK``."""
+    global on
+    on = _read_switch()
 
 
 def _signature(entry: Entry, root: int | None) -> str:

@@ -22,17 +22,23 @@ STATES = ("scheduled", "started", "completed", "failed")
 class Entry:
     """One recorded op. ``seq`` is the group's sequence number (-1 for point-to-point)."""
 
-    __slots__ = ("group", "seq", "op", "shapes", "dtypes", "reduce_op", "peer", "t_start", "t_end", "state", "error")
+    __slots__ = ("group", "seq", "op", "shapes", "dtypes", "reduce_op", "peer", "t_start", "t_end", "state", "error", "_progress")
 
     def __init__(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any, peer: int | None) -> None:
         self.group, self.seq, self.op = group, seq, op
-        self.shapes = [t.shape for t in tensors]  # torch.Size is an immutable tuple: no copy
-        self.dtypes = [t.dtype for t in tensors]
+        if len(tensors) == 1:  # the common case, without a comprehension's frame
+            tensor = tensors[0]
+            self.shapes: Sequence[torch.Size] = (tensor.shape,)  # torch.Size is an immutable tuple: no copy
+            self.dtypes: Sequence[torch.dtype] = (tensor.dtype,)
+        else:
+            self.shapes = [t.shape for t in tensors]
+            self.dtypes = [t.dtype for t in tensors]
         self.reduce_op, self.peer = reduce_op, peer
         self.t_start = time.time()
         self.t_end: float | None = None
         self.state = "started"
         self.error: str | None = None
+        self._progress: list[Any] | None = None  # the group's progress row, set by the recorder
 
     def finish(self, error: BaseException | None) -> None:
         if self.state != "started":
@@ -40,7 +46,9 @@ class Entry:
         self.t_end = time.time()
         if error is None:
             self.state = "completed"
-            recorder.completed(self)
+            progress = self._progress
+            if progress is not None and self.seq > progress[2]:
+                progress[2], progress[3] = self.seq, self.op
         else:
             self.state, self.error = "failed", f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
 
@@ -84,18 +92,13 @@ class FlightRecorder:
         if self.enabled:
             self.entries.append(entry)
         if seq >= 0:
-            state = self.progress.get(group)
-            if state is None:
-                self.progress[group] = [seq, op, -1, None]
+            progress = self.progress.get(group)
+            if progress is None:
+                self.progress[group] = progress = [seq, op, -1, None]
             else:
-                state[0], state[1] = seq, op
+                progress[0], progress[1] = seq, op
+            entry._progress = progress
         return entry
-
-    def completed(self, entry: Entry) -> None:
-        if entry.seq >= 0:
-            state = self.progress.get(entry.group)
-            if state is not None and entry.seq > state[2]:
-                state[2], state[3] = entry.seq, entry.op
 
     def watch(self, entry: Entry, work: Any) -> None:
         """Remember an async op so the watchdog can notice its completion."""

@@ -1,0 +1,31 @@
+"""The kernel's error for an op that failed or timed out: the backend's message plus who is stuck where."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from spmd.errors import CollectiveError, CollectiveTimeoutError, SpmdError
+
+if TYPE_CHECKING:
+    from spmd.comm.group import ProcessGroup
+    from spmd.debug.recorder import Entry
+
+
+def explain_failure(group: ProcessGroup, entry: Entry, error: BaseException) -> BaseException:
+    """``error`` rewritten to name the op, group and sequence number, with the watchdog's diagnosis.
+
+    Called only on the error path (by ``Work.wait``), so the hot path builds no closures for it.
+    """
+    from spmd.debug.watchdog import diagnose
+
+    desc = group.describe(entry.op, entry.seq)
+    if not isinstance(error, (CollectiveTimeoutError, CollectiveError)):
+        if isinstance(error, SpmdError) or not isinstance(error, Exception):
+            return error
+        # A backend's own exception (a peer vanished, a socket closed): name the op it broke.
+        error = CollectiveError(f"{desc} failed in the backend: {type(error).__name__}: {error}")
+    what = "timed out" if isinstance(error, CollectiveTimeoutError) else "failed"
+    text = str(error) if str(error).startswith(desc) else f"{desc} {what}: {error}"
+    explained = type(error)(f"{text}{diagnose(group, entry, what)}")
+    explained.__cause__ = error
+    return explained

@@ -72,14 +72,16 @@ class Work:
     def description(self, text: str) -> None:
         self._description, self._describe = text, None
 
+    # Completion state. Class-level defaults, so creating a Work (once per op, on the hot path)
+    # stores nothing; the event and callback list are made only when someone needs them.
+    _is_done: bool = False
+    _event: threading.Event | None = None
+    _value: Any = None
+    _error: BaseException | None = None
+    _callbacks: list[Callable[[Work], None]] | None = None
+
     def __init__(self) -> None:
-        # The event and callback list are created only when someone needs them:
-        # a synchronous collective then costs no lock or condition allocation.
-        self._is_done = False
-        self._event: threading.Event | None = None
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[Work], None]] | None = None
+        """Nothing to set: subclasses may call it or not."""
 
     # -- constructors -------------------------------------------------------------
     @classmethod
@@ -126,15 +128,22 @@ class Work:
         with _STATE_LOCK:
             if self._is_done:
                 return
-            self._value, self._error = value, error
+            if value is not None:
+                self._value = value
+            if error is not None:
+                self._error = error
             self._is_done = True
-            event, callbacks, self._callbacks = self._event, self._callbacks, None
-        if self._entry is not None:
-            self._entry.finish(error)
+            event, callbacks = self._event, self._callbacks
+            if callbacks is not None:
+                self._callbacks = None
+        entry = self._entry
+        if entry is not None:
+            entry.finish(error)
         if event is not None:
             event.set()
-        for callback in callbacks or ():
-            callback(self)
+        if callbacks is not None:
+            for callback in callbacks:
+                callback(self)
 
     def _wait_native(self, timeout: float | None) -> bool:
         """Block until done or ``timeout`` seconds pass; return whether it finished."""

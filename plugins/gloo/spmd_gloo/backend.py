@@ -52,12 +52,12 @@ _ALLREDUCE_OPTIONS = {op: _allreduce_options(native) for op, native in _GLOO_OPS
 class GlooWork(Work):
     """A Work over a c10d Work: waits natively (with Gloo's timed wait), completes lazily."""
 
+    _hooked = False
+
     def __init__(self, native: tdist.Work, group_timeout: float, keep_alive: object = None) -> None:
-        super().__init__()
         self._native = native
         self._group_timeout = group_timeout
         self._keep_alive = keep_alive  # views whose storage Gloo reads or writes
-        self._hooked = False
 
     def _settle(self, future: torch.futures.Future | None = None) -> None:
         try:

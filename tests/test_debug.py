@@ -76,6 +76,20 @@ def test_rank_that_exits_mid_job(tmp_path, backend):
     assert "NO DUMP from ranks [2]" in text
 
 
+def test_store_outlives_rank_0_under_spmd_run(tmp_path):
+    """Under `spmd run` the job's store lives in the agent, so when rank 0 leaves, the
+    others still read every rank's progress and name rank 0 as the one missing."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update({"SPMD_TRACE_DIR": str(tmp_path), "SPMD_WATCHDOG_INTERVAL": "0.5"})
+    proc = subprocess.run([sys.executable, "-m", "spmd", "run", "--nproc-per-node", "3", str(SCRIPT), "rank0_leaves", "gloo", str(TIMEOUT)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    results = [json.loads(x[len("RESULT "):]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == [1, 2], proc.stdout + proc.stderr
+    for result in results:
+        _assert_named_in_time(result, ("CollectiveTimeoutError", "CollectiveError"))
+        assert "ranks that never reached seq 1: [0]" in result["message"], result["message"]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rank_that_calls_a_different_collective(tmp_path, backend):
     results = run_world("mismatch_op", backend, tmp_path)

@@ -199,6 +199,28 @@ def test_srun_and_mpiexec_environments_are_detected_without_spmd_run():
         assert outs == ["0 2 2", "1 2 2"], (name, outs)
 
 
+def test_mpiexec_jobs_on_one_node_derive_distinct_store_ports(monkeypatch):
+    """Without MASTER_PORT, each mpiexec job gets its own store port (no collision on 29500)."""
+    from spmd.launch.environments import MpiEnvironment
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PMI_RANK", "0")
+    monkeypatch.setenv("PMI_SIZE", "2")
+    env = MpiEnvironment()
+    monkeypatch.setattr(os, "getppid", lambda: 4242)  # Hydra's proxy: shared by the job's ranks on a node
+    first = env.launch_info().master_port
+    assert env.launch_info().master_port == first
+    monkeypatch.setattr(os, "getppid", lambda: 4343)  # another job's proxy
+    assert env.launch_info().master_port != first
+    monkeypatch.setenv("PMIX_NAMESPACE", "prterun-vm-1234@1")  # Open MPI: the same on every node
+    by_namespace = env.launch_info().master_port
+    monkeypatch.setattr(os, "getppid", lambda: 99)
+    assert env.launch_info().master_port == by_namespace
+    monkeypatch.setenv("MASTER_PORT", "23456")
+    assert env.launch_info().master_port == 23456
+
+
 def _netns_available() -> str | None:
     if os.geteuid() != 0:
         return "needs root to create network namespaces"

@@ -22,6 +22,8 @@ try:
         result["skipped"] = True
     elif scenario == "exit" and rank == 2:
         os._exit(3)
+    elif scenario == "rank0_leaves" and rank == 0:
+        os._exit(0)  # the rank that hosts the store outside `spmd run`; exit 0: the agent keeps the rest
     elif scenario == "mismatch_op" and rank == 2:
         spmd.all_gather_into_tensor(torch.empty(4 * spmd.get_world_size()), t)
     elif scenario == "mismatch_shape" and rank == 2:

@@ -58,7 +58,27 @@ def _resolve_world(init_method: str | None, rank: int, world_size: int) -> tuple
     return rank, world_size, addr, port
 
 
+def _agent_store(endpoint: str, timeout: timedelta) -> tdist.Store:
+    """A client of the store ``spmd run``'s agents host, under this round's prefix.
+
+    As with torchrun's agent store, the job's store then lives in the agent,
+    not in rank 0: when rank 0 dies the others can still read who reached what.
+    """
+    host, _, port = endpoint.rpartition(":")
+    try:
+        client = tdist.TCPStore(host, int(port), None, False, timeout=timeout)
+    except Exception as error:  # noqa: BLE001 - re-raised with what to check
+        raise SpmdError(
+            f"could not reach the spmd run agent's store at {endpoint} (SPMD_AGENT_STORE) within "
+            f"{timeout.total_seconds():.0f} s ({error}); is the agent still running?"
+        ) from error
+    return tdist.PrefixStore(os.environ.get("SPMD_STORE_PREFIX", "spmd/job"), client)
+
+
 def _make_store(init_method: str | None, rank: int, world_size: int, addr: str, port: int, timeout: timedelta) -> tdist.Store:
+    agent = os.environ.get("SPMD_AGENT_STORE")
+    if agent and init_method in (None, "env://"):
+        return _agent_store(agent, timeout)
     if init_method and init_method.startswith("file://"):
         path = urllib.parse.urlparse(init_method).path
         return tdist.FileStore(path, world_size)

@@ -34,9 +34,19 @@ def _interval() -> float:
 
 
 def _own_client(store: tdist.Store) -> tdist.Store:
-    """A second connection to the job's store, so the watchdog never queues behind the main thread."""
-    if isinstance(store, tdist.TCPStore):
-        return tdist.TCPStore(store.host, store.port, None, False, timedelta(seconds=10))
+    """A second connection to the job's store, so the watchdog never queues behind the main thread.
+
+    ``clone()`` opens a new connection for a TCPStore, and keeps the prefix of
+    a PrefixStore over one; stores that cannot clone (in-process) are shared.
+    """
+    clone = getattr(store, "clone", None)  # (torch's type stubs do not list it)
+    if clone is not None and isinstance(store, (tdist.TCPStore, tdist.PrefixStore)):
+        try:
+            client: tdist.Store = clone()
+        except Exception:  # noqa: BLE001 - a store without clone support is shared instead
+            return store
+        client.set_timeout(timedelta(seconds=10))
+        return client
     return store
 
 
@@ -154,9 +164,13 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
         return f" (could not read the other ranks' progress: {error})"
     try:
         request = dog.request_dumps(f"{what}: {entry.op} on group {group.name!r} seq {entry.seq} (rank {dog.rank})")
-        alive = [r for r, info in progress.items() if info is not None and time.time() - info["t"] <= 3 * dog.interval + 1]
-        dog.await_dumps(alive, request, time.monotonic() + min(1.5 * dog.interval + 0.2, 2.0))
-    except Exception:  # noqa: BLE001 - the store host may already be gone; the diagnosis stands
+        # Wait (bounded) for every rank not known dead, including ranks that have not published
+        # yet: an op can fail fast, before their first heartbeat. Serving the dump request
+        # publishes their progress too, so it is read again afterwards.
+        silent = [r for r, info in progress.items() if info is not None and time.time() - info["t"] > 3 * dog.interval + 1]
+        dog.await_dumps([r for r in group.ranks if r not in silent], request, time.monotonic() + min(1.5 * dog.interval + 0.2, 2.0))
+        progress = dog.read_progress(list(group.ranks))
+    except Exception:  # noqa: BLE001 - the store may be gone; the diagnosis stands on what was read
         pass
     now = time.time()
     never, diverged, ahead, lines = [], [], [], []

@@ -18,6 +18,7 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -61,6 +62,7 @@ class Agent:
         me = local_address_towards(host, int(port)) if not c.standalone else "127.0.0.1"
         rdzv = Rendezvous(store, c.rdzv_id, c.min_nodes, c.max_nodes, c.rdzv_timeout, c.last_call)
         self._store = store  # keep the hosted server alive
+        self._endpoint = endpoint
         return rdzv, hosting, me
 
     # -- main loop ---------------------------------------------------------------------------
@@ -100,7 +102,7 @@ class Agent:
         rdzv, hosting, me = self._rendezvous()
         self._rdzv = rdzv
         while True:
-            membership = rdzv.join(c.nproc_per_node, c.node_rank, me)
+            membership = replace(rdzv.join(c.nproc_per_node, c.node_rank, me), store_endpoint=self._endpoint)
             round_ = membership.round
             if membership.node_rank == 0:
                 _say(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -62,11 +64,24 @@ class TorchrunEnvironment:
         )
 
 
+def job_port(job_key: str) -> int:
+    """A store port every process of one job derives alike, so that two jobs on a node differ.
+
+    In 15000-29999: below Linux's ephemeral range, where outgoing connections take ports.
+    """
+    return 15000 + zlib.crc32(job_key.encode()) % 15000
+
+
 class MpiEnvironment:
     """mpiexec of Open MPI (OMPI_COMM_WORLD_*), MPICH/Hydra and Intel MPI (PMI_*), or PMIx.
 
-    MPI does not name a rendezvous master: MASTER_ADDR/MASTER_PORT if set,
-    else localhost:29500 (right for a single node; multi-node jobs set MASTER_ADDR).
+    MPI does not name a rendezvous master: MASTER_ADDR/MASTER_PORT if set.
+    Otherwise the master is localhost (one node; multi-node jobs set
+    MASTER_ADDR) and the port is derived from the job, so that concurrent
+    mpiexec jobs on one node do not collide: from the PMIx namespace where the
+    launcher sets one (Open MPI, and the same on every node), else from the
+    parent process, the launcher's per-node proxy (Hydra), which all ranks of a
+    one-node job share. A multi-node MPICH job without MASTER_PORT uses 29500.
     """
 
     name = "mpi"
@@ -82,6 +97,12 @@ class MpiEnvironment:
         if rank is None or size is None:
             raise RuntimeError("mpiexec set a rank but no world size (OMPI_COMM_WORLD_SIZE/PMI_SIZE)")
         addr, port = _master("127.0.0.1")
+        if not os.environ.get("MASTER_PORT"):
+            namespace = os.environ.get("PMIX_NAMESPACE") or os.environ.get("OMPI_MCA_ess_base_jobid")
+            if namespace:
+                port = job_port(namespace)
+            elif not os.environ.get("MASTER_ADDR"):
+                port = job_port(f"{socket.gethostname()}/{os.getppid()}")
         return LaunchInfo(rank, size, local or 0, addr, port)
 
 
@@ -109,8 +130,7 @@ class SlurmEnvironment:
         host = first_slurm_host(os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST") or "127.0.0.1")
         addr = os.environ.get("MASTER_ADDR") or host
         # Every task of the job derives the same port from the job id unless MASTER_PORT is set.
-        job = _env_int("SLURM_JOB_ID") or 0
-        port = int(os.environ.get("MASTER_PORT") or 15000 + job % 20000)
+        port = int(os.environ.get("MASTER_PORT") or job_port(f"slurm/{os.environ.get('SLURM_JOB_ID', '0')}"))
         return LaunchInfo(
             rank=int(os.environ["SLURM_PROCID"]),
             world_size=int(os.environ["SLURM_NTASKS"]),

@@ -37,6 +37,9 @@ class Membership:
     hosts: tuple[str, ...]
     master_addr: str
     master_port: int
+    #: host:port of the agents' rendezvous store; workers keep their job state there (not in a
+    #: store that rank 0 hosts), so it outlives any worker and a failure can still be diagnosed.
+    store_endpoint: str | None = None
 
     @property
     def world_size(self) -> int:

@@ -122,6 +122,9 @@ def worker_env(config: RunConfig, m: Membership, local_rank: int, restart: int, 
         "TORCHELASTIC_ERROR_FILE": str(run_dir / f"error_{local_rank}.json"),
         "PYTHONUNBUFFERED": "1",
     })
+    if m.store_endpoint is not None:
+        env["SPMD_AGENT_STORE"] = m.store_endpoint  # spmd.init keeps its keys there, under:
+        env["SPMD_STORE_PREFIX"] = f"spmd/job/{config.rdzv_id}/round{m.round}"
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks sharing a node must not oversubscribe it
     return env

@@ -159,6 +159,18 @@ def test_mpiexec_that_does_not_match_the_library_is_detected_at_run_time():
 
 
 @needs_mpi
+def test_two_mpiexec_jobs_at_once_on_one_node():
+    """Each job derives its own store port: two jobs without MASTER_PORT run side by side."""
+    code = "import spmd, torch; spmd.init('mpi'); t = torch.ones(1); spmd.all_reduce(t); import os; os.write(1, f'SUM {int(t.item())}\\n'.encode()); spmd.destroy_process_group()"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    cmd = [*probe.mpiexec_command(2), sys.executable, "-c", code]
+    jobs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for job in jobs:
+        out, err = job.communicate(timeout=120)
+        assert job.returncode == 0 and out.count("SUM 2") == 2, out + err
+
+
+@needs_mpi
 def test_without_mpiexec_a_multi_rank_world_says_how_to_launch():
     with World(2, "mpi", collective_timeout=20) as world:
         messages = world.run(mpi_helpers.all_reduce_error)

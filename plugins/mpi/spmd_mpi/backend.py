@@ -11,21 +11,19 @@ which MPI has no standard type for, are reduced in a pooled float32 staging
 buffer and rounded back once. bool reduces with MPI's logical ops. AVG is a
 SUM that the kernel divides (``supports_avg = False``).
 
-Communicators: the world group uses a duplicate of ``MPI_COMM_WORLD``;
-every other group (``new_group``, ``split_group``, mesh dimensions) gets
-``MPI_Comm_create_group`` over its members only. Creating one is collective
-over the group's members; a store rendezvous first makes a missing member a
-timeout error instead of a hang.
+The machinery around the backend has one module per job:
+
+    library.py       importing mpi4py.MPI on first use (thread support, MPI defaults)
+    mapping.py       torch dtypes and ReduceOps to MPI datatypes and ops
+    work.py          MpiWork (the polling, timed wait and its tunables) and the watcher thread
+    communicator.py  the group's communicator: Dup of the world or Create_group, after a rendezvous
+    probe.py         facts about the installation and launcher, without loading libmpi
+
+``load_mpi``, ``library_version`` and ``MpiWork`` stay importable from here.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
-import sys
-import threading
-import time
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,373 +33,17 @@ from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.buffers import BufferPool
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import Work
-from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
-from spmd_mpi import probe
+from spmd_mpi import library, mapping
+from spmd_mpi.communicator import create_communicator
+from spmd_mpi.library import library_version, load_mpi
+from spmd_mpi.work import MpiWork
 
-#: The mpi4py.MPI module, imported by the first backend (never at import time).
-MPI: Any = None
-_LOAD_LOCK = threading.Lock()
+__all__ = ["MpiBackend", "MpiWork", "library_version", "load_mpi"]
 
-#: Seconds a wait tests back to back (yielding between tests only when oversubscribed)
-#: before it starts sleeping. MPI progresses only inside MPI calls, so ops want steady tests.
-SPIN_S = float(os.environ.get("SPMD_MPI_SPIN_US", "2000")) * 1e-6
-#: Extra spinning per byte moved (1 ns/B, i.e. 1 GB/s): large ops need steady tests to
-#: progress (MPI advances only inside MPI calls), so they back off only after that long.
-SPIN_S_PER_BYTE = 1e-9
-#: Longest sleep between two tests once a wait has backed off.
-MAX_SLEEP_S = 1e-3
-#: Ops up to this size keep the base spin budget.
-_SPIN_FREE_BYTES = int(SPIN_S / SPIN_S_PER_BYTE) // 8
-#: Tests before a wait starts yielding the CPU between them (when it yields at all).
-_PURE_SPINS = 16
-
-
-def _oversubscribed() -> bool:
-    """True when this node runs more ranks than it has cores (or it cannot tell).
-
-    Then waits yield the CPU between tests so a descheduled peer can run;
-    otherwise they spin, as MPI's own blocking calls do. ``SPMD_MPI_YIELD=1/0``
-    forces either.
-    """
-    forced = os.environ.get("SPMD_MPI_YIELD")
-    if forced:
-        return forced not in ("0", "false", "no")
-    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value) > (os.cpu_count() or 1)
-    return True  # unknown: yielding costs a syscall per test, spinning oversubscribed costs ms
-
-
-#: Whether waits yield between tests (decided once, at import).
-_YIELD = _oversubscribed()
-
-#: MPI tuning set before MPI_Init unless already in the environment. MPICH's default
-#: MPI_Ireduce_scatter_block algorithm measured 3x slower than the blocking call at
-#: 1 MiB on 2-3 ranks; pairwise exchange matches it at every size from 256 KiB up.
-#: Only MPICH reads MPIR_CVAR_* variables.
-MPI_DEFAULTS = {"MPIR_CVAR_IREDUCE_SCATTER_BLOCK_INTRA_ALGORITHM": "sched_pairwise"}
-
-#: id(ReduceOp) -> {torch.dtype: (MPI datatype, MPI op)} for every pair MPI reduces natively.
-_REDUCE: dict[int, dict[torch.dtype, tuple[Any, Any]]] = {}
-#: dtypes MPI has no type for: reduced in float32 staging buffers.
-_STAGED = frozenset({torch.float16, torch.bfloat16})
-
-#: Serialises MPI_Test on one request between threads (a waiter and the watcher).
-_TEST_LOCK = threading.Lock()
-_acquire, _release = _TEST_LOCK.acquire, _TEST_LOCK.release
-
-_yield = os.sched_yield if hasattr(os, "sched_yield") else (lambda: time.sleep(0))
-_monotonic = time.monotonic
-_sleep = time.sleep
-
-
-def load_mpi() -> Any:
-    """Import mpi4py.MPI (initialising MPI with thread support) and build the lookup tables."""
-    global MPI
-    if MPI is not None:
-        return MPI
-    with _LOAD_LOCK:
-        if MPI is not None:
-            return MPI
-        reason = probe.mpi4py_missing()
-        if reason is not None:
-            raise BackendUnavailableError(reason)
-        import mpi4py
-
-        if "mpi4py.MPI" not in sys.modules:
-            mpi4py.rc.threads = True
-            mpi4py.rc.thread_level = "multiple"
-            for name, value in MPI_DEFAULTS.items():
-                os.environ.setdefault(name, value)  # read by MPI_Init; yours win
-        try:
-            from mpi4py import MPI as mpi
-        except (ImportError, RuntimeError) as error:
-            raise BackendUnavailableError(
-                f"mpi4py could not load an MPI library ({error}); install one with: {probe.INSTALL_HINT}"
-            ) from error
-        if mpi.Is_finalized():
-            raise BackendUnavailableError("MPI was already finalised in this process; it cannot be used again")
-        if not mpi.Is_initialized():
-            mpi.Init_thread(mpi.THREAD_MULTIPLE)
-        if mpi.Query_thread() < mpi.THREAD_MULTIPLE:
-            raise BackendUnavailableError(
-                "spmd-mpi needs MPI_THREAD_MULTIPLE (waits and async ops test requests from several "
-                f"threads) but this MPI provides level {mpi.Query_thread()}. If you initialised MPI "
-                "yourself, leave mpi4py.rc.thread_level at 'multiple'; otherwise use an MPI built with "
-                f"thread support ({probe.INSTALL_HINT})"
-            )
-        _build_tables(mpi)
-        MPI = mpi
-    return MPI
-
-
-def _build_tables(mpi: Any) -> None:
-    types = {
-        torch.float32: mpi.FLOAT,
-        torch.float64: mpi.DOUBLE,
-        torch.complex64: mpi.C_FLOAT_COMPLEX,
-        torch.complex128: mpi.C_DOUBLE_COMPLEX,
-        torch.int8: mpi.INT8_T,
-        torch.int16: mpi.INT16_T,
-        torch.int32: mpi.INT32_T,
-        torch.int64: mpi.INT64_T,
-        torch.uint8: mpi.UINT8_T,
-        torch.uint16: mpi.UINT16_T,
-        torch.uint32: mpi.UINT32_T,
-        torch.uint64: mpi.UINT64_T,
-    }
-    ops = {
-        ReduceOp.SUM: mpi.SUM,
-        ReduceOp.PRODUCT: mpi.PROD,
-        ReduceOp.MIN: mpi.MIN,
-        ReduceOp.MAX: mpi.MAX,
-        ReduceOp.BAND: mpi.BAND,
-        ReduceOp.BOR: mpi.BOR,
-        ReduceOp.BXOR: mpi.BXOR,
-    }
-    # On bool, SUM/MAX/BOR mean "any", PRODUCT/MIN/BAND "all", BXOR parity (as the kernel's).
-    bool_ops = {
-        ReduceOp.SUM: mpi.LOR,
-        ReduceOp.MAX: mpi.LOR,
-        ReduceOp.BOR: mpi.LOR,
-        ReduceOp.PRODUCT: mpi.LAND,
-        ReduceOp.MIN: mpi.LAND,
-        ReduceOp.BAND: mpi.LAND,
-        ReduceOp.BXOR: mpi.LXOR,
-    }
-    bitwise = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
-    for op, mpi_op in ops.items():
-        table: dict[torch.dtype, tuple[Any, Any]] = {}
-        for dtype, mpi_type in types.items():
-            if dtype.is_complex and op not in (ReduceOp.SUM, ReduceOp.PRODUCT):
-                continue  # complex numbers have no order; MPI has no complex MIN/MAX
-            if (dtype.is_floating_point or dtype.is_complex) and op in bitwise:
-                continue
-            table[dtype] = (mpi_type, mpi_op)
-        table[torch.bool] = (mpi.C_BOOL, bool_ops[op])
-        _REDUCE[id(op)] = table
-
-
-def library_version() -> str:
-    """The first line of ``MPI_Get_library_version`` (after the backend loaded MPI)."""
-    mpi = load_mpi()
-    return str(mpi.Get_library_version()).strip().splitlines()[0].strip()
-
-
-# -- Work ------------------------------------------------------------------------------
-class MpiWork(Work):
-    """A Work over an MPI request: waits poll ``Test`` with back-off and honour the timeout.
-
-    Holds the tensors (``keep``) whose memory MPI reads or writes until the
-    request completes, then runs ``after(ok)`` (a staging copy-back) once.
-    """
-
-    # Class-level defaults: each instance sets only what differs (creation is on the hot path).
-    _after: Callable[[bool], None] | None = None
-    _claimed = False
-    _watched = False
-    _spin_s = SPIN_S
-
-    def __init__(
-        self, request: Any, keep: object = None, after: Callable[[bool], None] | None = None, nbytes: int = 0
-    ) -> None:
-        Work.__init__(self)  # (copying its fields via __dict__.update measured slower: 3.11 inline values)
-        self._request = request
-        self._keep = keep
-        if after is not None:
-            self._after = after
-        if nbytes > _SPIN_FREE_BYTES:
-            self._spin_s = SPIN_S + nbytes * SPIN_S_PER_BYTE
-
-    def _try(self) -> int:
-        """Test once: 0 still running, 1 finished, 2 another thread is finishing it."""
-        if self._is_done:
-            return 1
-        error = None
-        _acquire()
-        try:
-            if self._claimed:
-                return 2
-            try:
-                if not self._request.Test():
-                    return 0
-            except MPI.Exception as failure:
-                error = failure
-            self._claimed = True
-        finally:
-            _release()
-        self._complete(error)
-        return 1
-
-    def _complete(self, error: Any) -> None:
-        """Finish once MPI is done: run ``after``, drop the buffers, wake waiters and callbacks."""
-        after = self._after
-        self._request = self._keep = None
-        if error is None and after is None:
-            self._finish(None, None)
-            return
-        self._after = None
-        failure: BaseException | None = None
-        if error is not None:
-            text = error.Get_error_string() if hasattr(error, "Get_error_string") else str(error)
-            failure = CollectiveError(f"{self.description} failed in MPI: {text}")
-        if after is not None:
-            try:
-                after(failure is None)
-            except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
-                failure = failure or exc
-        self._finish(None, failure)
-
-    def _wait_native(self, timeout: float | None) -> bool:
-        """Test until done, spinning first, then sleeping with back-off; False at the timeout.
-
-        The test loop is written out (not calls to ``_try``): it is the hot path
-        of every synchronous op.
-        """
-        if self._is_done:
-            return True
-        request = self._request
-        spins = 0
-        deadline = spin_until = 0.0
-        delay = 1e-6
-        mine = False
-        error = None
-        while True:
-            _acquire()
-            try:
-                if self._claimed:
-                    break  # another thread is finishing it
-                try:
-                    done = request.Test()
-                except MPI.Exception as failure:
-                    done, error = True, failure
-                if done:
-                    self._claimed = mine = True
-                    break
-            finally:
-                _release()
-            if spins < _PURE_SPINS:
-                spins += 1
-                if spins == _PURE_SPINS:
-                    now = _monotonic()
-                    deadline = float("inf") if timeout is None else now + timeout
-                    spin_until = now + self._spin_s
-                continue
-            now = _monotonic()
-            if now >= deadline:
-                return False
-            if now < spin_until:
-                if _YIELD:
-                    _yield()  # lets a peer rank on the same core run
-            else:
-                _sleep(min(delay, deadline - now))
-                delay = min(delay * 2, MAX_SLEEP_S)
-        if mine:
-            self._complete(error)
-            return True
-        if timeout is not None and spins >= _PURE_SPINS:
-            timeout = max(0.0, deadline - _monotonic())
-        return Work._wait_native(self, timeout)  # woken by the thread that finishes it
-
-    def is_completed(self) -> bool:
-        if not self._is_done:
-            self._try()
-        return self._is_done
-
-    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
-        if not self._is_done and not self._watched:
-            self._watched = True
-            _WATCHER.add(self)  # someone must test the request for the callback to fire
-        Work.add_done_callback(self, callback)
-
-
-class _Watcher:
-    """One daemon thread that tests the requests of Works with callbacks (futures, batches).
-
-    It calls into MPI only while it has Works to watch, and stops at exit
-    before MPI is finalised.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._works: list[MpiWork] = []
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-
-    def add(self, work: MpiWork) -> None:
-        with self._cond:
-            self._works.append(work)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="spmd-mpi-watcher", daemon=True)
-                self._thread.start()
-                atexit.register(self.stop)
-            self._cond.notify()
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout=2)
-
-    def _loop(self) -> None:
-        busy_since = _monotonic()
-        delay = 1e-6
-        while True:
-            with self._cond:
-                while not self._works and not self._stopping:
-                    self._cond.wait()
-                    busy_since, delay = _monotonic(), 1e-6
-                if self._stopping:
-                    return
-                works = list(self._works)
-            done = [w for w in works if w._try() != 0]
-            if done:
-                with self._cond:
-                    self._works = [w for w in self._works if not any(w is d for d in done)]
-                busy_since, delay = _monotonic(), 1e-6
-            elif _monotonic() - busy_since < SPIN_S:
-                _yield()  # the watcher always yields: it competes with this rank's own threads
-            else:
-                _sleep(delay)
-                delay = min(delay * 2, MAX_SLEEP_S)
-
-
-_WATCHER = _Watcher()
-
-
-# -- the backend -------------------------------------------------------------------------
-def _world_error(ctx: BackendContext, world_size: int, world_rank: int, ranks: Sequence[int]) -> str:
-    me = ranks[ctx.rank]
-    where = f"group {ctx.group_name!r} (ranks {list(ranks)}, this rank {me})"
-    if world_size == 1 and ctx.size > 1:
-        announced = probe.launcher_world_size()
-        if probe.launched_by_mpi() and announced and announced > 1:
-            right, why = probe.find_mpiexec()
-            fix = f"launch with {right} -n {announced} ..." if right else why
-            return (
-                f"{where}: this process was started by {probe.launcher_family()} as one of "
-                f"{announced} ranks, but the MPI library that mpi4py loaded ({library_version()}) "
-                f"sees a world of 1. The mpiexec does not belong to this MPI library, so every rank "
-                f"became a separate one-rank job; {fix}"
-            )
-        return (
-            f"{where} has {ctx.size} ranks, but this process is an MPI singleton (MPI_COMM_WORLD has "
-            f"1 rank): MPI ranks must be started by MPI's launcher. Run `mpiexec -n {ctx.size} python "
-            "script.py` (or srun --mpi=pmi2/pmix) and call spmd.init() without rank/world_size; "
-            "under torchrun or `spmd run` use another backend, e.g. spmd.init('gloo')"
-        )
-    if max(ranks) >= world_size:
-        return (
-            f"{where} names ranks up to {max(ranks)} but MPI_COMM_WORLD has only {world_size}: start "
-            f"as many MPI ranks as spmd ranks (mpiexec -n {max(ranks) + 1})"
-        )
-    return (
-        f"{where}: spmd rank {me} is MPI rank {world_rank}. spmd's ranks must be MPI_COMM_WORLD's; "
-        "under mpiexec call spmd.init() without rank=/world_size= so both come from the MPI launcher"
-    )
+# Bound by assignment, not by import: CPython 3.11 compiles ``name.get(...)`` on an
+# imported name as an attribute load plus a call, no method call (measurable per op).
+_REDUCE = mapping.REDUCE
+_STAGED = mapping.STAGED
 
 
 class MpiBackend(Backend):
@@ -412,24 +54,7 @@ class MpiBackend(Backend):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         mpi = load_mpi()
-        world = mpi.COMM_WORLD
-        world_size, world_rank = world.Get_size(), world.Get_rank()
-        ranks = tuple(ctx.global_ranks) or tuple(range(ctx.size))
-        if (world_size == 1 and ctx.size > 1) or max(ranks) >= world_size or ranks[ctx.rank] != world_rank:
-            raise BackendUnavailableError(_world_error(ctx, world_size, world_rank, ranks))
-        self._rendezvous(ctx)
-        if ranks == tuple(range(world_size)):
-            comm = world.Dup()
-        else:
-            world_group = world.Get_group()
-            members = world_group.Incl(list(ranks))
-            try:
-                comm = world.Create_group(members, zlib.crc32(ctx.group_name.encode()) & 0x7FFF)
-            finally:
-                members.Free()
-                world_group.Free()
-        if comm.Get_rank() != ctx.rank or comm.Get_size() != ctx.size:  # pragma: no cover - MPI bug
-            raise CollectiveError(f"MPI built a communicator of {comm.Get_size()} for group {ctx.group_name!r}")
+        comm = create_communicator(mpi, ctx)
         self.comm = comm
         self._pool = BufferPool()
         self._buffer = mpi.buffer.fromaddress
@@ -441,22 +66,6 @@ class MpiBackend(Backend):
         self._iallgather, self._ireduce_scatter_block = comm.Iallgather, comm.Ireduce_scatter_block
         self._ialltoall, self._ialltoallv = comm.Ialltoall, comm.Ialltoallv
         self._igather, self._iscatter, self._ibarrier = comm.Igather, comm.Iscatter, comm.Ibarrier
-
-    @staticmethod
-    def _rendezvous(ctx: BackendContext) -> None:
-        """Wait (with the group timeout) until every member is here: creating a communicator has no timeout."""
-        if ctx.size == 1:
-            return
-        ctx.store.set(f"mpi-comm/{ctx.rank}", b"1")
-        try:
-            ctx.store.wait([f"mpi-comm/{r}" for r in range(ctx.size)], ctx.timeout)
-        except Exception as error:  # noqa: BLE001 - the store's timeout error names no ranks
-            missing = [r for r in range(ctx.size) if not ctx.store.check([f"mpi-comm/{r}"])]
-            raise CollectiveTimeoutError(
-                f"creating the MPI communicator of group {ctx.group_name!r}: group ranks {missing} did "
-                f"not arrive within {ctx.timeout.total_seconds():.1f} s ({error}); every member must "
-                "use the group (its first collective creates the communicator)"
-            ) from error
 
     # -- buffers ---------------------------------------------------------------------
     def _bytes(self, tensor: torch.Tensor) -> Any:
@@ -628,10 +237,11 @@ class MpiBackend(Backend):
     def close(self) -> None:
         super().close()
         comm, self.comm = getattr(self, "comm", None), None
-        if comm is not None and MPI is not None and not MPI.Is_finalized():
+        mpi = library.MPI
+        if comm is not None and mpi is not None and not mpi.Is_finalized():
             try:
                 comm.Free()
-            except MPI.Exception:  # pragma: no cover - nothing useful to do at teardown
+            except mpi.Exception:  # pragma: no cover - nothing useful to do at teardown
                 pass
 
 

@@ -20,7 +20,7 @@ def _elements(nbytes: int, multiple: int) -> int:
 
 def raw_mpi_ops(ctx: Any = None) -> dict[str, Callable[[int], Callable[[], object]]]:
     """Makers for every benchmarked op over raw mpi4py (``ctx`` is unused: MPI has its own world)."""
-    from spmd_mpi.backend import load_mpi
+    from spmd_mpi.library import load_mpi
 
     MPI = load_mpi()
     comm = MPI.COMM_WORLD.Dup()

@@ -20,26 +20,19 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
 
-from spmd.bench.timing import time_interleaved
+from spmd.bench.launch import relaunch_locally
+from spmd.bench.ops import elements
+from spmd.bench.report import human
+from spmd.bench.timing import iterations_for_bytes, stepped_sweep, time_interleaved
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single")
-
-
-def sizes(max_bytes: int) -> list[int]:
-    out, size = [], 4
-    while size <= max_bytes:
-        out.append(size)
-        size *= 16 if size < 256 << 10 else 4
-    return out
 
 
 #: Each side cycles through this many buffer sets: Gloo's per-call time at some sizes
@@ -58,8 +51,8 @@ def calls(op: str, nbytes: int, world: int, pg: tdist.ProcessGroupGloo):
     """(spmd call, raw call) closures over preallocated buffers of ``nbytes``."""
     import spmd
 
-    n = max(nbytes // 4, 1)
-    per = max(n // world, 1)
+    n = elements(nbytes)
+    per = elements(nbytes, world) // world
     if op == "all_reduce":
         make = lambda: (torch.ones(n),)  # noqa: E731
         return _rotating(make, lambda a: spmd.all_reduce(a)), _rotating(make, lambda b: pg.allreduce([b]).wait())
@@ -83,10 +76,6 @@ def calls(op: str, nbytes: int, world: int, pg: tdist.ProcessGroupGloo):
     raise ValueError(op)
 
 
-def iterations(nbytes: int) -> int:
-    return max(3, min(200, (8 << 20) // max(nbytes, 1)))
-
-
 def worker(args: argparse.Namespace) -> None:
     import spmd
 
@@ -100,13 +89,13 @@ def worker(args: argparse.Namespace) -> None:
     barrier = lambda: pg.barrier().wait()  # noqa: E731 - the same barrier for both sides
     results = []
     for op in args.ops:
-        for nbytes in sizes(args.max_bytes):
+        for nbytes in stepped_sweep(args.max_bytes):
             ours, raw = calls(op, nbytes, world, pg)
             _, control = calls(op, nbytes, world, pg2)
             sides = [ours, raw, control]
             for side in sides:
                 side()  # warm-up: connections, staging buffers, page faults
-            t_ours, t_raw, t_ctl = time_interleaved(sides, iterations(nbytes) * args.rounds, sync=barrier)
+            t_ours, t_raw, t_ctl = time_interleaved(sides, iterations_for_bytes(nbytes) * args.rounds, sync=barrier)
             med_ours, med_raw, med_ctl = (statistics.median(t) for t in (t_ours, t_raw, t_ctl))
             results.append({"op": op, "bytes": nbytes, "spmd_s": med_ours, "raw_s": med_raw, "ratio": med_ours / med_raw,
                             "control_ratio": med_ctl / med_raw})
@@ -116,14 +105,6 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0 and args.json:
         print(json.dumps(results, indent=1))
     spmd.destroy_process_group()
-
-
-def human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n} {unit}"
-        n //= 1024
-    return f"{n} GiB"
 
 
 def main() -> None:
@@ -137,16 +118,10 @@ def main() -> None:
     if "RANK" in os.environ:
         worker(args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     if not args.json:
         print(f"{args.world_size} ranks, Gloo; median per call, spmd and raw alternating call by call; ratio = spmd / raw; raw2/raw = control")
         print(f"{'op':24s} {'size':>8s} {'spmd us':>12s} {'raw us':>12s} {'ratio':>8s} {'raw2/raw':>9s}")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.world_size), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env={**env, "RANK": str(r)}) for r in range(args.world_size)]
-    codes = [p.wait() for p in procs]
-    sys.exit(max(codes))
+    sys.exit(relaunch_locally(args.world_size))
 
 
 if __name__ == "__main__":

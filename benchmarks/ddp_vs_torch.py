@@ -35,9 +35,7 @@ import io
 import json
 import os
 import pstats
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +44,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as tdist
 from torch import nn
+
+from spmd.bench.launch import relaunch_locally
 
 
 def make_model(width: int, depth: int) -> nn.Module:
@@ -199,13 +199,7 @@ def main() -> None:
     if "RANK" in os.environ:
         worker(args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.world_size),
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env={**env, "RANK": str(r)}) for r in range(args.world_size)]
-    sys.exit(max(p.wait() for p in procs))
+    sys.exit(relaunch_locally(args.world_size))
 
 
 if __name__ == "__main__":

@@ -25,69 +25,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
+
+from spmd.bench.launch import relaunch_locally
+from spmd.bench.ops import elements, spmd_ops
+from spmd.bench.report import human
+from spmd.bench.timing import iterations_for_bytes, stepped_sweep, time_interleaved
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single")
 #: Targets of the issue: spmd/raw at or below these.
 TARGET_LARGE, TARGET_SMALL, LARGE_FROM = 1.05, 1.5, 256 << 10
-
-
-def sizes(max_bytes: int) -> list[int]:
-    out, size = [], 4
-    while size <= max_bytes:
-        out.append(size)
-        size *= 16 if size < 256 << 10 else 4
-    return out
-
-
-def iterations(nbytes: int, rounds: int) -> int:
-    return max(20, min(2000, (64 << 20) // max(nbytes, 1))) * rounds
-
-
-def spmd_calls(world: int):  # type: ignore[no-untyped-def]
-    """Makers ``make(nbytes) -> call()`` for the spmd side (torch float32 tensors, allocated once)."""
-    import torch
-
-    import spmd
-
-    def count(nbytes: int, multiple: int) -> int:
-        n = max(nbytes // 4, 1)
-        return max(n - n % multiple, multiple)
-
-    def all_reduce(nbytes: int):  # type: ignore[no-untyped-def]
-        t = torch.ones(count(nbytes, 1))
-        return lambda: spmd.all_reduce(t)
-
-    def broadcast(nbytes: int):  # type: ignore[no-untyped-def]
-        t = torch.ones(count(nbytes, 1))
-        return lambda: spmd.broadcast(t, src=0)
-
-    def all_gather(nbytes: int):  # type: ignore[no-untyped-def]
-        total = count(nbytes, world)
-        out, inp = torch.empty(total), torch.ones(total // world)
-        return lambda: spmd.all_gather_into_tensor(out, inp)
-
-    def reduce_scatter(nbytes: int):  # type: ignore[no-untyped-def]
-        total = count(nbytes, world)
-        out, inp = torch.empty(total // world), torch.ones(total)
-        return lambda: spmd.reduce_scatter_tensor(out, inp)
-
-    def all_to_all(nbytes: int):  # type: ignore[no-untyped-def]
-        total = count(nbytes, world)
-        out, inp = torch.empty(total), torch.ones(total)
-        return lambda: spmd.all_to_all_single(out, inp)
-
-    return {
-        "all_reduce": all_reduce,
-        "all_gather_into_tensor": all_gather,
-        "reduce_scatter_tensor": reduce_scatter,
-        "broadcast": broadcast,
-        "all_to_all_single": all_to_all,
-    }
 
 
 def backend_calls(world: int):  # type: ignore[no-untyped-def]
@@ -100,30 +48,26 @@ def backend_calls(world: int):  # type: ignore[no-untyped-def]
     backend = get_state().world.backend("cpu")
     total_op = spmd.ReduceOp.SUM
 
-    def count(nbytes: int, multiple: int) -> int:
-        n = max(nbytes // 4, 1)
-        return max(n - n % multiple, multiple)
-
     def all_reduce(nbytes: int):  # type: ignore[no-untyped-def]
-        t = torch.ones(count(nbytes, 1))
+        t = torch.ones(elements(nbytes, 1))
         return lambda: backend.all_reduce(t, total_op).wait()
 
     def broadcast(nbytes: int):  # type: ignore[no-untyped-def]
-        t = torch.ones(count(nbytes, 1))
+        t = torch.ones(elements(nbytes, 1))
         return lambda: backend.broadcast(t, 0).wait()
 
     def all_gather(nbytes: int):  # type: ignore[no-untyped-def]
-        total = count(nbytes, world)
+        total = elements(nbytes, world)
         out, inp = torch.empty(total), torch.ones(total // world)
         return lambda: backend.all_gather_into_tensor(out, inp).wait()
 
     def reduce_scatter(nbytes: int):  # type: ignore[no-untyped-def]
-        total = count(nbytes, world)
+        total = elements(nbytes, world)
         out, inp = torch.empty(total // world), torch.ones(total)
         return lambda: backend.reduce_scatter_tensor(out, inp, total_op).wait()
 
     def all_to_all(nbytes: int):  # type: ignore[no-untyped-def]
-        total = count(nbytes, world)
+        total = elements(nbytes, world)
         out, inp = torch.empty(total), torch.ones(total)
         splits = [total // world] * world
         return lambda: backend.all_to_all_single(out, inp, splits, splits).wait()
@@ -141,13 +85,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import spmd
-    from spmd.bench.timing import time_interleaved
     from spmd_mpi.bench_peer import raw_mpi_ops
 
     torch.set_num_threads(1)
     spmd.init("mpi", timeout=300)  # rank and world from mpiexec
     rank, world = spmd.get_rank(), spmd.get_world_size()
-    ours_all, raw_all, control_all = spmd_calls(world), raw_mpi_ops(), raw_mpi_ops()
+    ours_all, raw_all, control_all = spmd_ops(world, rank), raw_mpi_ops(), raw_mpi_ops()
     spmd.barrier()  # creates the world's backend, which backend_calls uses
     direct_all = backend_calls(world)
     from mpi4py import MPI
@@ -161,11 +104,11 @@ def worker(args: argparse.Namespace) -> None:
               f"{'backend us':>10s} {'backend/raw':>11s}", flush=True)
     results = []
     for op in args.ops:
-        for nbytes in sizes(args.max_bytes):
+        for nbytes in stepped_sweep(args.max_bytes):
             sides = [ours_all[op](nbytes), raw_all[op](nbytes), control_all[op](nbytes), direct_all[op](nbytes)]
             for side in sides:
                 side()  # warm-up: communicator setup, page faults
-            logs = time_interleaved(sides, iterations(nbytes, args.rounds), barrier)
+            logs = time_interleaved(sides, iterations_for_bytes(nbytes, 64 << 20, 20, 2000) * args.rounds, barrier)
             med_ours, med_raw, med_ctl, med_direct = (statistics.median(t) for t in logs)
             row = {"op": op, "bytes": nbytes, "spmd_s": med_ours, "raw_s": med_raw, "backend_s": med_direct,
                    "ratio": med_ours / med_raw, "control_ratio": med_ctl / med_raw,
@@ -197,14 +140,6 @@ def summary(results: list[dict]) -> None:
               f"{human(worst_backend['bytes'])}); target <= {target}")
 
 
-def human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n} {unit}"
-        n //= 1024
-    return f"{n} GiB"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="ranks to start when not already under mpiexec")
@@ -225,13 +160,8 @@ def main() -> None:
     path, why = probe.find_mpiexec()
     if path is None:
         raise SystemExit(f"mpi_vs_mpi4py: {why}")
-    with socket.socket() as s:  # spmd's rendezvous store; MPI itself needs none
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-    command = [*probe.mpiexec_command(args.world_size, path), sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
-    sys.exit(subprocess.run(command, env=env).returncode)
+    # One mpiexec starts every rank; MASTER_* still name spmd's rendezvous store (MPI itself needs none).
+    sys.exit(relaunch_locally(args.world_size, launcher=probe.mpiexec_command(args.world_size, path)))
 
 
 if __name__ == "__main__":

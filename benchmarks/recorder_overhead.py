@@ -12,15 +12,15 @@ median of each and the ratio.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
+
+from spmd.bench.launch import relaunch_locally
 
 
 def micro() -> None:
@@ -66,12 +66,7 @@ def main() -> None:
         worker()
         return
     micro()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__], env={**env, "RANK": str(r)}) for r in range(2)]
-    sys.exit(max(p.wait() for p in procs))
+    sys.exit(relaunch_locally(2, argv=[os.path.abspath(__file__)]))
 
 
 if __name__ == "__main__":

@@ -26,9 +26,7 @@ import argparse
 import itertools
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -36,27 +34,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as tdist
 
+from spmd.bench.launch import relaunch_locally
+from spmd.bench.ops import elements
+from spmd.bench.report import human
+from spmd.bench.timing import iterations_for_bytes, stepped_sweep
+
 #: Each side cycles through this many buffers, so a per-buffer artefact hits both alike.
 BUFFER_SETS = 3
-
-
-def sizes(max_bytes: int, min_bytes: int = 4) -> list[int]:
-    out, size = [], 4
-    while size <= max_bytes:
-        if size >= min_bytes:
-            out.append(size)
-        size *= 16 if size < 256 << 10 else 4
-    return out
-
-
-def iterations(nbytes: int) -> int:
-    return max(3, min(200, (8 << 20) // max(nbytes, 1)))
 
 
 def side(group, nbytes: int):  # type: ignore[no-untyped-def]
     import spmd
 
-    n = max(nbytes // 4, 1)
+    n = elements(nbytes)
     bufs = itertools.cycle([torch.ones(n) for _ in range(BUFFER_SETS)])
     return lambda: spmd.all_reduce(next(bufs), group=group)
 
@@ -94,14 +84,6 @@ def medians(all_logs: list[list[list[tuple[float, float]]]]) -> tuple[list[float
     return wall, latency
 
 
-def human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n} {unit}"
-        n //= 1024
-    return f"{n} GiB"
-
-
 def worker(args: argparse.Namespace) -> None:
     import spmd
 
@@ -119,7 +101,7 @@ def worker(args: argparse.Namespace) -> None:
 
         profiler = cProfile.Profile()
     results = []
-    for nbytes in sizes(args.max_bytes, args.min_bytes):
+    for nbytes in stepped_sweep(args.max_bytes, args.min_bytes):
         sides = [side(ucc, nbytes), side(gloo, nbytes), side(gloo2, nbytes)]
         for _ in range(args.warmup):
             for run in sides:
@@ -133,7 +115,7 @@ def worker(args: argparse.Namespace) -> None:
                 profiler.disable()
 
             sides[0] = profiled
-        logs = time_interleaved(sides, iterations(nbytes) * args.rounds, barrier)
+        logs = time_interleaved(sides, iterations_for_bytes(nbytes) * args.rounds, barrier)
         store.set(f"bench/{nbytes}/{rank}", json.dumps(logs))
         if rank != 0:
             continue
@@ -171,20 +153,13 @@ def main() -> None:
     if "RANK" in os.environ:
         worker(args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     if not args.json:
         print(f"{args.world_size} ranks, all_reduce float32 SUM, ucc and gloo alternating call by call. Median "
               "latency per call (last rank in -> last rank out); ratio = ucc / gloo (below 1: ucc faster); "
               "gloo2/gloo = control; wall ratio = the same ratio of rank 0's per-call wall time")
         print(f"{'size':>8s} {'ucc us':>11s} {'gloo us':>11s} {'ratio':>7s} {'ucc GB/s':>8s} {'gloo GB/s':>8s} "
               f"{'gloo2/gloo':>9s} {'wall ratio':>10s}")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(args.world_size),
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:]], env={**env, "RANK": str(r)}) for r in range(args.world_size)]
-    codes = [p.wait() for p in procs]
-    sys.exit(max(codes))
+    sys.exit(relaunch_locally(args.world_size))
 
 
 if __name__ == "__main__":

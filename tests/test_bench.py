@@ -7,7 +7,8 @@ import sys
 import pytest
 
 import bench_helpers
-from spmd.bench.timing import bus_factor, size_sweep
+from spmd.bench.launch import exit_status, launch_local, rendezvous_env
+from spmd.bench.timing import bus_factor, iterations_for_bytes, size_sweep, stepped_sweep
 
 SPMD = [sys.executable, "-m", "spmd", "bench", "collectives"]
 
@@ -18,6 +19,29 @@ def test_size_sweep_and_bus_factors():
     assert bus_factor("all_reduce", 4) == pytest.approx(1.5)
     assert bus_factor("all_gather_into_tensor", 4) == pytest.approx(0.75)
     assert bus_factor("broadcast", 4) == 1.0
+
+
+def test_stepped_sweep_and_byte_iterations():
+    assert stepped_sweep(64 << 20) == [4, 64, 1024, 16384, 262144, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+    assert stepped_sweep(65536) == [4, 64, 1024, 16384]  # max_bytes off the grid is not added
+    assert stepped_sweep(1024, min_bytes=64) == [64, 1024]
+    assert iterations_for_bytes(4) == 200 and iterations_for_bytes(64 << 20) == 3 and iterations_for_bytes(1 << 20) == 8
+
+
+def test_launch_local_gives_each_rank_its_variables(capfd):
+    show = "import os, sys; print('rank', os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'], os.environ['OMP_NUM_THREADS']); sys.exit(int(os.environ['RANK']))"
+    env = rendezvous_env(port=12345, base={"RANK": "7", "KEEP": "1"})
+    assert env["KEEP"] == "1" and "RANK" not in env and env["MASTER_ADDR"] == "127.0.0.1"
+    assert launch_local([sys.executable, "-c", show], 2, env=env, timeout=60) == [0, 1]
+    assert sorted(capfd.readouterr().out.splitlines()) == ["rank 0 0 2 12345 1", "rank 1 1 2 12345 1"]
+    assert exit_status([0, 1, 2]) == 1 and exit_status([0, -9]) == 137 and exit_status([0, 0]) == 0
+
+
+def test_launch_local_under_a_launcher_and_on_timeout():
+    # The launcher starts the ranks itself: one process, no rank variables of ours.
+    assert launch_local(["-c", "import os, sys; sys.exit(3 if 'RANK' in os.environ else 0)"], 4, launcher=[sys.executable]) == [0]
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch_local([sys.executable, "-c", "import time; time.sleep(60)"], 2, timeout=0.5)
 
 
 def test_json_rows_follow_the_formulas(tmp_path):

@@ -12,7 +12,8 @@ Maker = Callable[[int], Callable[[], object]]
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single", "sendrecv")
 
 
-def _elements(nbytes: int, multiple: int) -> int:
+def elements(nbytes: int, multiple: int = 1) -> int:
+    """float32 elements in about ``nbytes``: at least ``multiple``, and a multiple of it (one share per rank)."""
     n = max(nbytes // 4, 1)
     return max(n - n % multiple, multiple)
 
@@ -22,31 +23,31 @@ def spmd_ops(world_size: int, rank: int) -> dict[str, Maker]:
     n_ranks = world_size
 
     def all_reduce(nbytes: int) -> Callable[[], object]:
-        t = torch.ones(_elements(nbytes, 1))
+        t = torch.ones(elements(nbytes, 1))
         return lambda: spmd.all_reduce(t)
 
     def broadcast(nbytes: int) -> Callable[[], object]:
-        t = torch.ones(_elements(nbytes, 1))
+        t = torch.ones(elements(nbytes, 1))
         return lambda: spmd.broadcast(t, src=0)
 
     def all_gather(nbytes: int) -> Callable[[], object]:
-        total = _elements(nbytes, n_ranks)
+        total = elements(nbytes, n_ranks)
         out, inp = torch.empty(total), torch.ones(total // n_ranks)
         return lambda: spmd.all_gather_into_tensor(out, inp)
 
     def reduce_scatter(nbytes: int) -> Callable[[], object]:
-        total = _elements(nbytes, n_ranks)
+        total = elements(nbytes, n_ranks)
         out, inp = torch.empty(total // n_ranks), torch.ones(total)
         return lambda: spmd.reduce_scatter_tensor(out, inp)
 
     def all_to_all(nbytes: int) -> Callable[[], object]:
-        total = _elements(nbytes, n_ranks)
+        total = elements(nbytes, n_ranks)
         out, inp = torch.empty(total), torch.ones(total)
         return lambda: spmd.all_to_all_single(out, inp)
 
     def sendrecv(nbytes: int) -> Callable[[], object]:
         """Ping-pong between ranks 0 and 1 (others idle); one call = one round trip / 2 reported."""
-        t = torch.ones(_elements(nbytes, 1))
+        t = torch.ones(elements(nbytes, 1))
 
         def ping() -> None:
             spmd.send(t, 1)

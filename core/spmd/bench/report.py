@@ -11,6 +11,7 @@ from spmd.bench.timing import bus_factor
 
 
 def human(n: int) -> str:
+    """A byte count as people read it, rounded down: ``human(65536) == "64 KiB"``."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} {unit}"

@@ -10,20 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from spmd.bench.launch import launch_local, rendezvous_env
 from spmd.comm.registry import backends
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def installed_runnable(device: str = "cpu") -> list[str]:
@@ -46,22 +40,12 @@ def run_backend(backend: str, nproc: int, ops: list[str], sizes: list[int], budg
             worker.append("--vs-raw")
         if progress:
             worker.append("--progress")
-        base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", "1")})
+        env = rendezvous_env(omp_num_threads=os.environ.get("OMP_NUM_THREADS", "1"))
         launch = getattr(spec, "launch", None)
-        if launch:
-            cmd = [part.format(nproc=nproc) for part in launch] + worker
-            procs = [subprocess.Popen(cmd, env=base)]
-        else:
-            procs = [
-                subprocess.Popen(worker, env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc)})
-                for r in range(nproc)
-            ]
+        launcher = [part.format(nproc=nproc) for part in launch] if launch else None
         try:
-            codes = [p.wait(timeout=timeout) for p in procs]
+            codes = launch_local(worker, nproc, launcher=launcher, env=env, timeout=timeout)
         except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
             raise RuntimeError(f"backend {backend!r}: the benchmark did not finish within {timeout:.0f} s") from None
         if any(codes) or not out.exists():
             raise RuntimeError(f"backend {backend!r}: benchmark ranks failed (exit codes {codes})")

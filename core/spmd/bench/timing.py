@@ -38,6 +38,30 @@ def size_sweep(min_bytes: int = 4, max_bytes: int = 64 << 20, factor: int = 4) -
     return sizes
 
 
+def stepped_sweep(max_bytes: int = 64 << 20, min_bytes: int = 4) -> list[int]:
+    """4 B, 64 B, 1 KiB, 16 KiB, then from 256 KiB every power of 4 up to ``max_bytes`` (not added if off the grid).
+
+    Few small sizes (latency barely changes there) and every large one (where
+    bandwidth does): the sweep of the side-by-side scripts in ``benchmarks/``.
+    ``min_bytes`` drops the smaller sizes without moving the grid.
+    """
+    sizes, size = [], 4
+    while size <= max_bytes:
+        if size >= min_bytes:
+            sizes.append(size)
+        size *= 16 if size < 256 << 10 else 4
+    return sizes
+
+
+def iterations_for_bytes(nbytes: int, volume: int = 8 << 20, lo: int = 3, hi: int = 200) -> int:
+    """How many calls of ``nbytes`` move about ``volume`` bytes, clamped to ``lo``..``hi``.
+
+    A count fixed before measuring, so that every rank makes the same number
+    of calls without agreeing on a time estimate first (``iterations_for``).
+    """
+    return max(lo, min(hi, volume // max(nbytes, 1)))
+
+
 BUS_FACTORS: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather_into_tensor": lambda n: (n - 1) / n,

@@ -12,15 +12,8 @@ import torch
 
 import spmd
 from spmd.bench.ops import spmd_ops
+from spmd.bench.report import human
 from spmd.bench.timing import PeerContext, iterations_for, summarize, time_interleaved
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}"
-        n //= 1024
-    return f"{n}"
 
 
 def raw_peer(backend: str, ctx: PeerContext) -> dict[str, Callable[[int], Callable[[], object]]] | None:
@@ -58,7 +51,7 @@ def run(backend: str, ops: list[str], sizes: list[int], budget_s: float, vs_raw:
             continue
         for nbytes in sizes:
             if progress and rank == 0:
-                print(f"\r[{backend}] {op:24s} {_human(nbytes):>9s}   ", end="", file=sys.stderr, flush=True)
+                print(f"\r[{backend}] {op:24s} {human(nbytes):>9s}   ", end="", file=sys.stderr, flush=True)
             ours = ours_all[op](nbytes)
             raw = raw_all[op](nbytes) if raw_all and op in raw_all else None
             sides = [ours] + ([raw] if raw is not None else [])

@@ -60,3 +60,32 @@ def test_get_future_and_callbacks_fire_once_done():
     fut = work.get_future()
     src.set_result(5)
     assert fut.wait() == 5 and seen == [5]
+
+
+def test_then_runs_after_once_on_success_and_not_on_failure():
+    ok: concurrent.futures.Future = concurrent.futures.Future()
+    ran: list[str] = []
+    chained = spmd.Work.from_future(ok).then(lambda: ran.append("after"))
+    fired = threading.Event()
+    chained.add_done_callback(lambda work: fired.set())
+    assert not chained.is_completed()
+    ok.set_result(None)  # completes in this thread: the callback path runs ``after``
+    assert fired.wait(1) and chained.wait(1) and ran == ["after"]
+    assert chained.wait(1) and ran == ["after"]  # once
+
+    bad: concurrent.futures.Future = concurrent.futures.Future()
+    skipped: list[str] = []
+    failing = spmd.Work.from_future(bad).then(lambda: skipped.append("after"))
+    threading.Timer(0.05, bad.set_exception, args=(ValueError("boom"),)).start()
+    with pytest.raises(ValueError, match="boom"):
+        failing.wait(2)  # the waiting path: waits on the inner Work natively
+    assert skipped == []
+
+
+def test_then_step_that_raises_fails_the_work():
+    def broken() -> None:
+        raise RuntimeError("decompress failed")
+
+    chained = spmd.Work.completed().then(broken)
+    with pytest.raises(RuntimeError, match="decompress failed"):
+        chained.wait(1)

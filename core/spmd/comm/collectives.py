@@ -8,7 +8,6 @@ waits (``async_op=False``) or returns the Work.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -59,57 +58,6 @@ def _root(group: ProcessGroup, rank: int | None, group_rank: int | None, what: s
 
 
 # -- completion ----------------------------------------------------------------------
-class _ThenWork(Work):
-    """A Work that is ``inner`` followed by ``after()`` (run once, only on success).
-
-    Waiting waits on ``inner`` natively in the caller's thread: no callback hop
-    and no helper thread, so many outstanding ops cannot starve each other.
-    """
-
-    def __init__(self, inner: Work, after: Callable[[], None]) -> None:
-        super().__init__()
-        self.inner = inner
-        self._after = after
-        self._ran = threading.Lock()
-        self._hooked = False
-        self.default_timeout = inner.default_timeout
-        self._describe = lambda: inner.description
-
-    def _settle(self, _: Work | None = None) -> None:
-        if not self._ran.acquire(blocking=False):
-            return
-        error = self.inner.exception()
-        if error is None:
-            try:
-                self._after()
-            except BaseException as failure:  # noqa: BLE001 - delivered to the waiter
-                error = failure
-        self._finish(None, error)
-
-    def _wait_native(self, timeout: float | None) -> bool:
-        if not self._is_done:
-            if not self.inner._wait_native(timeout):
-                return False
-            self._settle()
-        return super()._wait_native(timeout)
-
-    def is_completed(self) -> bool:
-        if not self._is_done and self.inner.is_completed():
-            self._settle()
-        return self._is_done
-
-    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
-        if not self._hooked:
-            self._hooked = True
-            self.inner.add_done_callback(self._settle)
-        super().add_done_callback(callback)
-
-
-def _then(work: Work, after: Callable[[], None]) -> Work:
-    """A Work that finishes once ``work`` has and ``after()`` ran."""
-    return _ThenWork(work, after)
-
-
 def _begin(
     group: ProcessGroup,
     op: str,
@@ -147,7 +95,7 @@ def _complete(
         work._describe = lambda: group.describe(op)
     if async_op:
         if after is not None:
-            work = _then(work, after)
+            work = work.then(after)
             work._entry, work._group = entry, group
         recorder.watch(entry, work)
         return work
@@ -311,7 +259,7 @@ def reduce_scatter(
         block.view(item.shape).copy_(item)
     work = reduce_scatter_tensor(output, packed, op, group=g, async_op=True)
     assert work is not None
-    return _finish_list(_then(work, lambda: _pool.release(flat)), async_op)
+    return _finish_list(work.then(lambda: _pool.release(flat)), async_op)
 
 
 # -- data movement -------------------------------------------------------------------
@@ -421,7 +369,7 @@ def all_gather(
         _unpack_blocks(tensor_list, packed, g.size)
         _pool.release(flat)
 
-    return _finish_list(_then(work, unpack), async_op)
+    return _finish_list(work.then(unpack), async_op)
 
 
 def _splits(sizes: Sequence[int] | None, rows: int, g: ProcessGroup, what: str) -> list[int]:
@@ -507,7 +455,7 @@ def all_to_all(
             item.copy_(block.view(item.shape))
         _pool.release(flat_out)
 
-    return _finish_list(_then(work, unpack), async_op)
+    return _finish_list(work.then(unpack), async_op)
 
 
 def gather(

@@ -214,6 +214,15 @@ class Work:
                 return
         callback(self)
 
+    def then(self, after: Callable[[], None]) -> Work:
+        """A Work that finishes once this one has and ``after()`` ran (only on success).
+
+        For a step that must follow the transfer (a decompression, a copy back):
+        waiting on the result waits on this Work natively and then runs ``after``
+        in the waiting thread; with callbacks, ``after`` runs where this Work completes.
+        """
+        return ThenWork(self, after)
+
     def get_future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` that completes with this Work's value or error."""
         future: torch.futures.Future = torch.futures.Future()
@@ -257,3 +266,49 @@ class WorkList(Work):
             last = self._remaining == 0
         if last:
             self._finish(self._final_value, None)
+
+
+class ThenWork(Work):
+    """A Work that is ``inner`` followed by ``after()`` (run once, only on success).
+
+    Waiting waits on ``inner`` natively in the caller's thread: no callback hop
+    and no helper thread, so many outstanding ops cannot starve each other.
+    """
+
+    def __init__(self, inner: Work, after: Callable[[], None]) -> None:
+        super().__init__()
+        self.inner = inner
+        self._after = after
+        self._ran = threading.Lock()
+        self._hooked = False
+        self.default_timeout = inner.default_timeout
+        self._describe = lambda: inner.description
+
+    def _settle(self, _: Work | None = None) -> None:
+        if not self._ran.acquire(blocking=False):
+            return
+        error = self.inner.exception()
+        if error is None:
+            try:
+                self._after()
+            except BaseException as failure:  # noqa: BLE001 - delivered to the waiter
+                error = failure
+        self._finish(None, error)
+
+    def _wait_native(self, timeout: float | None) -> bool:
+        if not self._is_done:
+            if not self.inner._wait_native(timeout):
+                return False
+            self._settle()
+        return super()._wait_native(timeout)
+
+    def is_completed(self) -> bool:
+        if not self._is_done and self.inner.is_completed():
+            self._settle()
+        return self._is_done
+
+    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+        if not self._hooked:
+            self._hooked = True
+            self.inner.add_done_callback(self._settle)
+        super().add_done_callback(callback)

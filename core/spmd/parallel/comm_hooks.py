@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from spmd.comm.collectives import _then, all_reduce
+from spmd.comm.collectives import all_reduce
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.state import resolve_group
@@ -37,11 +37,6 @@ from spmd.parallel.buckets import GradBucket
 
 #: ``hook(state, bucket) -> Work``; on completion ``bucket.buffer()`` holds the group average.
 CommHook = Callable[[Any, GradBucket], Work]
-
-
-def then(work: Work, after: Callable[[], None]) -> Work:
-    """A Work that finishes once ``work`` has and ``after()`` ran (for decompress steps)."""
-    return _then(work, after)
 
 
 def _group(state: Any, bucket: GradBucket) -> ProcessGroup:
@@ -72,7 +67,7 @@ def _compress_hook(dtype: torch.dtype) -> CommHook:
         def decompress() -> None:
             buffer.copy_(compressed)
 
-        return then(work, decompress)
+        return work.then(decompress)
 
     return hook
 

@@ -210,3 +210,51 @@ def against_local_reference(members: list[int] | None = None, steps: int = 10) -
     for p, q in zip(ddp.module.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
     return {"group_rank": spmd.get_rank(group), "members": members, "backend": spmd.get_backend(group)}
+
+
+def uneven(case: str) -> dict[str, Any]:
+    """Rank r trains on 5 + 3r batches inside ``join()``: spmd DDP and torch DDP must end equal."""
+    _torch_group()
+    rank = spmd.get_rank()
+    torch.manual_seed(100 + rank)
+    base = Net(extra=case == "unused", bn=True)
+    options: dict[str, Any] = {"find_unused_parameters": True} if case == "unused" else {}
+    join_options: dict[str, Any] = {"divide_by_initial_world_size": case != "active_ranks"}
+    steps = 5 + 3 * rank
+    states = []
+    for wrap in (DDP, TorchDDP):
+        model = wrap(copy.deepcopy(base), **options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with model.join(**join_options):
+            for step in range(steps):
+                x, y = batch(step, rank)
+                # Once rank 0 has joined, the last rank uses every parameter: torch's joined rank
+                # reports its last iteration's usage, spmd's reports none (see DDP.join).
+                use_extra = step >= 5 or _uses_extra(case, step, rank)
+                nn.functional.mse_loss(model(x, use_extra=use_extra), y).backward()
+                opt.step()
+                opt.zero_grad()
+        states.append(model.module.state_dict())
+    ours, theirs = states
+    assert list(ours) == list(theirs)
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], msg=lambda m, n=name: f"{n}: {m}")
+    return {"changed": not torch.equal(ours["fc1.weight"], base.state_dict()["fc1.weight"]), "fc1": ours["fc1.weight"].sum().item()}
+
+
+def uneven_throw() -> dict[str, Any]:
+    """With throw_on_early_termination, every rank raises once rank 0's data ends."""
+    rank = spmd.get_rank()
+    model = DDP(Net())
+    start = time.monotonic()
+    steps_done = 0
+    try:
+        with model.join(throw_on_early_termination=True):
+            for step in range(3 + 3 * rank):
+                x, y = batch(step, rank)
+                nn.functional.mse_loss(model(x), y).backward()
+                steps_done += 1
+        result = "no error"
+    except spmd.SpmdError as error:
+        result = str(error)
+    return {"result": result, "steps": steps_done, "elapsed": time.monotonic() - start}

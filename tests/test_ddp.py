@@ -62,6 +62,22 @@ def test_ddp_on_a_third_party_backend(spmd_world):
     assert [r["backend"] for r in results] == ["p2p", "p2p"]
 
 
+@pytest.mark.parametrize("case", ["plain", "unused", "active_ranks"])
+def test_uneven_inputs_with_join_match_torch_ddp_join(spmd_world, case):
+    """Ranks with 5 and 8 batches; BatchNorm buffers; unused parameters; both divisor modes."""
+    results = spmd_world(2, "gloo").run(ddp_helpers.uneven, case, timeout=120)
+    assert all(r["changed"] for r in results)
+    assert results[0]["fc1"] == results[1]["fc1"]  # every rank ends with the same model
+
+
+def test_join_can_stop_every_rank_when_one_runs_out(spmd_world):
+    results = spmd_world(2, "gloo").run(ddp_helpers.uneven_throw, timeout=60)
+    for r in results:
+        assert "ran out of inputs" in r["result"] and "group rank(s) [0]" in r["result"], r
+        assert r["elapsed"] < 20, r
+    assert [r["steps"] for r in results] == [3, 3]  # rank 1 stopped at its 4th forward
+
+
 def test_strategy_registry():
     assert get_strategy("ddp").name == "ddp"
     with pytest.raises(StrategyNotFoundError, match="unknown strategy 'nope'; available strategies: .*ddp"):

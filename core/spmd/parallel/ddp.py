@@ -14,6 +14,7 @@ from spmd.comm.state import resolve_group
 from spmd.errors import SpmdError
 from spmd.parallel.buckets import FIRST_BUCKET_BYTES
 from spmd.parallel.comm_hooks import CommHook, get_hook
+from spmd.parallel.join import Join
 from spmd.parallel.reducer import Reducer
 from spmd.parallel.state_dict import add_wrapped_prefix, strip_prefix
 from spmd.parallel.sync import broadcast_coalesced, verify_shapes
@@ -37,6 +38,7 @@ class DistributedDataParallel(nn.Module):
     parameter that got no gradient is an error at the end of that backward
     (naming it), not at the next forward; ``register_comm_hook`` also takes a
     registered hook's name; buckets are not rebuilt after the first iteration.
+    Uneven inputs: ``with ddp.join(): ...`` (see ``join``).
     """
 
     def __init__(
@@ -72,16 +74,19 @@ class DistributedDataParallel(nn.Module):
         first = min(FIRST_BUCKET_BYTES, cap_bytes) if bucket_cap_mb is None else cap_bytes
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], group, cap_bytes, first, find_unused_parameters)
         self.register_load_state_dict_pre_hook(add_wrapped_prefix)
+        self._join: Join | None = None  # set inside join()
 
     # -- training --------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the wrapped module; its backward will average gradients unless in ``no_sync()``."""
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        src = self._join.before_forward(sync) if self._join is not None else 0
         if self.broadcast_buffers and self.process_group.size > 1:
             buffers = [b for b in self.module.buffers()]
             if buffers:
-                broadcast_coalesced(buffers, self.process_group)
+                broadcast_coalesced(buffers, self.process_group, src=src)
         output = self.module(*inputs, **kwargs)
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+        if sync:
             self.reducer.prepare(output)
         else:
             self.reducer.disarm()
@@ -96,6 +101,38 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    @contextmanager
+    def join(
+        self, divide_by_initial_world_size: bool = True, enable: bool = True, throw_on_early_termination: bool = False
+    ) -> Iterator[None]:
+        """Train on uneven inputs: wrap the loop, and ranks whose data ends first keep step.
+
+        As torch's ``with ddp.join():``. A rank that leaves the loop early answers
+        the others' collectives with zeros until every rank is done; then every
+        rank holds the parameters and buffers of the highest-ranked of the last
+        ranks to finish. Gradients are divided by the group size
+        (``divide_by_initial_world_size=True``) or by the number of ranks still
+        training. With ``throw_on_early_termination=True`` every rank raises as
+        soon as one runs out instead. Costs one small all-reduce per forward.
+        With ``find_unused_parameters``, a joined rank uses no parameter; torch's
+        reports its last iteration's usage, so a parameter no active rank used
+        gets a zero gradient there, and None here.
+        """
+        if not enable or self.process_group.size == 1:
+            yield
+            return
+        if self._join is not None:
+            raise SpmdError("DistributedDataParallel.join() is already active on this model; do not nest it")
+        join = Join(self, divide_by_initial_world_size, throw_on_early_termination)
+        self._join = join
+        try:
+            yield
+            self._join = None
+            join.shadow_until_all_joined()
+        finally:
+            self._join = None
+            self.reducer.divisor = None
 
     def register_comm_hook(self, state: Any, hook: CommHook | str) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> spmd.Work`` (or the hook registered under that name)."""

@@ -47,6 +47,9 @@ class Reducer:
         self.find_unused_parameters = find_unused_parameters
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: Any = None
+        #: What gradients are divided by before the sum; None means the group size. Set by
+        #: ``join()`` when only the active ranks count.
+        self.divisor: int | None = None
         self.buckets: list[GradBucket] = []
         n = len(self.params)
         self._bucket_of = [0] * n
@@ -138,13 +141,14 @@ class Reducer:
         self._ready[index] = 1
         view = self._views[index]
         grad = param.grad
-        divide = self.comm_hook is None and self.group.size > 1
+        divisor = self.divisor or self.group.size
+        divide = self.comm_hook is None and self.group.size > 1 and divisor > 1
         if grad is view:
             if divide:
-                view.div_(self.group.size)
+                view.div_(divisor)
         elif grad is not None:
             if divide:
-                torch.div(grad, self.group.size, out=view)  # the average's division, fused into the copy
+                torch.div(grad, divisor, out=view)  # the average's division, fused into the copy
             else:
                 view.copy_(grad)
             param.grad = view
@@ -215,6 +219,21 @@ class Reducer:
             "find_unused_parameters=True; otherwise make every output that depends on them part of "
             "the loss"
         )
+
+    # -- uneven inputs -----------------------------------------------------------------
+    def shadow_backward(self) -> None:
+        """A joined rank's part in an active rank's backward: the same reductions, in the same
+        order (used-parameter map, then every bucket through the comm hook if any), with zeros."""
+        works: list[Work] = []
+        if self.find_unused_parameters:
+            used = all_reduce(torch.zeros(len(self.params), dtype=torch.int32), ReduceOp.MAX, group=self.group, async_op=True)
+            assert used is not None  # async_op=True always returns the Work
+            works.append(used)
+        for bucket in self.buckets:
+            bucket.buffer().zero_()
+            works.append(self._launch(bucket))
+        for work in works:
+            work.wait()
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the parameters."""

@@ -38,18 +38,18 @@ def _chunks(tensors: Sequence[torch.Tensor], limit: int) -> list[list[torch.Tens
 
 
 @torch.no_grad()
-def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: ProcessGroup, limit: int = BROADCAST_BUCKET_BYTES) -> None:
-    """Overwrite ``tensors`` with group rank 0's, in a few large flat broadcasts."""
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: ProcessGroup, limit: int = BROADCAST_BUCKET_BYTES, src: int = 0) -> None:
+    """Overwrite ``tensors`` with group rank ``src``'s, in a few large flat broadcasts."""
     tensors = [t for t in tensors if t.numel()]
     if group.size == 1 or not tensors:
         return
     for run in _chunks(tensors, limit):
         if len(run) == 1 and run[0].is_contiguous():
-            broadcast(run[0], group=group, group_src=0)
+            broadcast(run[0], group=group, group_src=src)
             continue
         flat = _flatten_dense_tensors(run)
-        broadcast(flat, group=group, group_src=0)
-        if group.rank != 0:
+        broadcast(flat, group=group, group_src=src)
+        if group.rank != src:
             for tensor, synced in zip(run, _unflatten_dense_tensors(flat, run)):
                 tensor.copy_(synced)
 

@@ -220,7 +220,7 @@ def uneven(case: str) -> dict[str, Any]:
     base = Net(extra=case == "unused", bn=True)
     options: dict[str, Any] = {"find_unused_parameters": True} if case == "unused" else {}
     join_options: dict[str, Any] = {"divide_by_initial_world_size": case != "active_ranks"}
-    steps = 5 + 3 * rank
+    steps = 3 * rank + (0 if case == "no_batches" else 5)  # "no_batches": rank 0 joins before any step
     states = []
     for wrap in (DDP, TorchDDP):
         model = wrap(copy.deepcopy(base), **options)
@@ -258,3 +258,40 @@ def uneven_throw() -> dict[str, Any]:
     except spmd.SpmdError as error:
         result = str(error)
     return {"result": result, "steps": steps_done, "elapsed": time.monotonic() - start}
+
+
+class Shuffled(nn.Module):
+    """Registered a, b, c but used c, a, b: gradients become ready in an order the
+    registration order does not predict (b first, then a, then c)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(torch.tanh(self.c(x)))))
+
+
+def rebuild() -> dict[str, Any]:
+    """Buckets are re-cut along the first backward's ready order, and training still matches torch."""
+    _torch_group()
+    rank = spmd.get_rank()
+    torch.manual_seed(7 + rank)
+    base = Shuffled()
+    ours = DDP(copy.deepcopy(base), bucket_cap_mb=0.0005)  # 512 B: one parameter per bucket
+    theirs = TorchDDP(copy.deepcopy(base), bucket_cap_mb=0.0005)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs)]
+    layouts = []
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+        for model in (ours, theirs):
+            nn.functional.mse_loss(model(x), y).backward()
+        _same_grads(ours.module, theirs.module, step)
+        layouts.append([bucket.names for bucket in ours.reducer.buckets])
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {"layouts": layouts}

@@ -15,7 +15,7 @@ def test_parity_with_torch_ddp(spmd_world, case):
     results = spmd_world(2, "gloo").run(ddp_helpers.parity, case, timeout=90)
     assert all(r["changed"] for r in results)
     if case == "buckets":
-        assert all(r["buckets"] >= 4 for r in results), results
+        assert all(r["buckets"] >= 3 for r in results), results  # several (after the rebuild: bias+weight pairs)
 
 
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
@@ -62,9 +62,9 @@ def test_ddp_on_a_third_party_backend(spmd_world):
     assert [r["backend"] for r in results] == ["p2p", "p2p"]
 
 
-@pytest.mark.parametrize("case", ["plain", "unused", "active_ranks"])
+@pytest.mark.parametrize("case", ["plain", "unused", "active_ranks", "no_batches"])
 def test_uneven_inputs_with_join_match_torch_ddp_join(spmd_world, case):
-    """Ranks with 5 and 8 batches; BatchNorm buffers; unused parameters; both divisor modes."""
+    """Ranks with 5 and 8 batches (or 0 and 3); BatchNorm buffers; unused parameters; both divisor modes."""
     results = spmd_world(2, "gloo").run(ddp_helpers.uneven, case, timeout=120)
     assert all(r["changed"] for r in results)
     assert results[0]["fc1"] == results[1]["fc1"]  # every rank ends with the same model
@@ -76,6 +76,15 @@ def test_join_can_stop_every_rank_when_one_runs_out(spmd_world):
         assert "ran out of inputs" in r["result"] and "group rank(s) [0]" in r["result"], r
         assert r["elapsed"] < 20, r
     assert [r["steps"] for r in results] == [3, 3]  # rank 1 stopped at its 4th forward
+
+
+def test_buckets_are_rebuilt_along_the_first_backwards_ready_order(spmd_world):
+    results = spmd_world(2, "gloo").run(ddp_helpers.rebuild, timeout=90)
+    first, later = results[0]["layouts"][0], results[0]["layouts"][1]
+    layers = lambda layout: [name.split(".")[0] for names in layout for name in names]  # noqa: E731
+    assert layers(first) == ["c", "b", "c", "a", "b", "a"]  # cut in registration order, launched reversed
+    assert layers(later) == ["b", "b", "a", "a", "c", "c"]  # re-cut in the order gradients arrived
+    assert all(r["layouts"][1:] == [later] * 5 for r in results)  # once, and the same on every rank
 
 
 def test_strategy_registry():

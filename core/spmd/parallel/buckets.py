@@ -42,6 +42,35 @@ def assign_buckets(params: Sequence[torch.Tensor], cap_bytes: int, first_cap_byt
     return done
 
 
+def assign_buckets_in_order(
+    params: Sequence[torch.Tensor], order: Sequence[int], cap_bytes: int, first_cap_bytes: int
+) -> list[list[int]]:
+    """Parameter indices per bucket for a known gradient-ready ``order`` (launch order = that order).
+
+    What torch DDP rebuilds its buckets with after the first iteration: buckets
+    are cut along the order gradients actually became ready, one dtype and
+    device each, the first launched one capped at ``first_cap_bytes`` so
+    communication starts early.
+    """
+    done: list[list[int]] = []
+    open_: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    size: dict[tuple[torch.dtype, torch.device], int] = {}
+    for index in order:
+        param = params[index]
+        key = (param.dtype, param.device)
+        bucket = open_.setdefault(key, [])
+        bucket.append(index)
+        size[key] = size.get(key, 0) + param.numel() * param.element_size()
+        if size[key] >= (first_cap_bytes if not done else cap_bytes):
+            done.append(bucket)
+            del open_[key]
+            size[key] = 0
+    done.extend(open_.values())
+    position = {index: i for i, index in enumerate(order)}
+    done.sort(key=lambda bucket: position[bucket[0]])
+    return done
+
+
 class GradBucket:
     """One flat gradient buffer shared by several parameters and reduced as one message.
 

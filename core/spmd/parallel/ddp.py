@@ -37,7 +37,9 @@ class DistributedDataParallel(nn.Module):
     prefix and ``load_state_dict`` accepts keys with or without it; a
     parameter that got no gradient is an error at the end of that backward
     (naming it), not at the next forward; ``register_comm_hook`` also takes a
-    registered hook's name; buckets are not rebuilt after the first iteration.
+    registered hook's name. As in torch, the buckets are rebuilt once, after the
+    first iteration, along the order gradients became ready (group rank 0's), unless
+    ``find_unused_parameters`` is set.
     Uneven inputs: ``with ddp.join(): ...`` (see ``join``).
     """
 

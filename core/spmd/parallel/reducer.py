@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from spmd.comm.collectives import all_reduce
+from spmd.comm.collectives import all_reduce, broadcast
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import Work
 from spmd.errors import SpmdError
-from spmd.parallel.buckets import GradBucket, assign_buckets
+from spmd.parallel.buckets import GradBucket, assign_buckets, assign_buckets_in_order
 from spmd.parallel.comm_hooks import CommHook
 from spmd.parallel.graph import reached_parameters
 
@@ -50,23 +50,16 @@ class Reducer:
         #: What gradients are divided by before the sum; None means the group size. Set by
         #: ``join()`` when only the active ranks count.
         self.divisor: int | None = None
-        self.buckets: list[GradBucket] = []
+        self._cap, self._first_cap = bucket_cap_bytes, first_bucket_bytes
         n = len(self.params)
-        self._bucket_of = [0] * n
-        self._views: list[torch.Tensor] = [torch.empty(0)] * n
-        for b, indices in enumerate(assign_buckets(self.params, bucket_cap_bytes, first_bucket_bytes)):
-            bucket = GradBucket(b, [self.params[i] for i in indices], indices, [self.names[i] for i in indices], group)
-            for i, view in zip(indices, bucket.views):
-                self._bucket_of[i] = b
-                self._views[i] = view
-            self.buckets.append(bucket)
-        if self.buckets:
-            self.buckets[-1]._is_last = True
-        self._bucket_sizes = [len(b.param_indices) for b in self.buckets]
-        for i, param in enumerate(self.params):
-            if param.grad is not None:  # keep an existing gradient, now inside its bucket
-                self._views[i].copy_(param.grad)
-                param.grad = self._views[i]
+        self.buckets: list[GradBucket] = []
+        self._layout(assign_buckets(self.params, bucket_cap_bytes, first_bucket_bytes))
+        # Bucket rebuild (as torch, and like it only without find_unused_parameters): the first
+        # reducing backward records the order gradients became ready; the next forward rebuilds
+        # the buckets along group rank 0's order, once.
+        self._order: list[int] | None = None if find_unused_parameters else []
+        self._recorded: list[int] = []
+        self._rebuild_due = False
         self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(self.params)]
         # Per-iteration state.
         self._armed = False  # the coming backward reduces (set by the forward)
@@ -79,6 +72,41 @@ class Reducer:
         self._used_work: Work | None = None
         self._used_map: torch.Tensor | None = None
 
+    def _layout(self, assignment: list[list[int]]) -> None:
+        """Make the buckets for ``assignment`` (indices per bucket, in launch order); existing
+        gradients move into their new slots."""
+        n = len(self.params)
+        self._bucket_of = [0] * n
+        self._views: list[torch.Tensor] = [torch.empty(0)] * n
+        self.buckets = []
+        for b, indices in enumerate(assignment):
+            bucket = GradBucket(b, [self.params[i] for i in indices], indices, [self.names[i] for i in indices], self.group)
+            for i, view in zip(indices, bucket.views):
+                self._bucket_of[i] = b
+                self._views[i] = view
+            self.buckets.append(bucket)
+        if self.buckets:
+            self.buckets[-1]._is_last = True
+        self._bucket_sizes = [len(b.param_indices) for b in self.buckets]
+        for i, param in enumerate(self.params):
+            if param.grad is not None:  # keep an existing gradient, now inside its bucket
+                self._views[i].copy_(param.grad)
+                param.grad = self._views[i]
+
+    def _rebuild(self) -> None:
+        """Re-cut the buckets along the first iteration's gradient-ready order (group rank 0's)."""
+        self._rebuild_due = False
+        recorded = self._recorded
+        seen = set(recorded)
+        order = recorded + [i for bucket in self.buckets for i in bucket.param_indices if i not in seen]
+        if self.group.size > 1:
+            shared = torch.tensor(order, dtype=torch.int64)
+            broadcast(shared, group=self.group, group_src=0)
+            order = shared.tolist()
+        assignment = assign_buckets_in_order(self.params, order, self._cap, self._first_cap)
+        if assignment != [bucket.param_indices for bucket in self.buckets]:
+            self._layout(assignment)
+
     def _hook_for(self, index: int) -> Any:
         ready = self._grad_ready
 
@@ -90,6 +118,8 @@ class Reducer:
     # -- iteration -------------------------------------------------------------------
     def prepare(self, output: Any) -> None:
         """Arm the reduction for the backward of this forward's ``output``."""
+        if self._rebuild_due:
+            self._rebuild()
         self._reset()
         self._armed = True
         self._pending = list(self._bucket_sizes)
@@ -139,6 +169,8 @@ class Reducer:
                 "parameter marked unused that still received a gradient); reduce each gradient once"
             )
         self._ready[index] = 1
+        if self._order is not None and not unused:
+            self._order.append(index)
         view = self._views[index]
         grad = param.grad
         divisor = self.divisor or self.group.size
@@ -189,6 +221,7 @@ class Reducer:
                 self._fail_missing()
             for work in self._works:
                 work.wait()
+            self._first_backward_done()
             if self._used_work is not None and self._used_map is not None:
                 self._used_work.wait()
                 for i in self._unused:
@@ -196,6 +229,12 @@ class Reducer:
                         self.params[i].grad = self._views[i]  # another rank's gradient, averaged
         finally:
             self._reset()
+
+    def _first_backward_done(self) -> None:
+        """After the first reducing backward: keep its gradient-ready order for the rebuild."""
+        if self._order is not None:
+            self._recorded, self._order = self._order, None
+            self._rebuild_due = True
 
     def _fail_missing(self) -> None:
         """Some parameter got no gradient: still reduce every bucket (peers must not hang), then raise."""
@@ -223,7 +262,10 @@ class Reducer:
     # -- uneven inputs -----------------------------------------------------------------
     def shadow_backward(self) -> None:
         """A joined rank's part in an active rank's backward: the same reductions, in the same
-        order (used-parameter map, then every bucket through the comm hook if any), with zeros."""
+        order (used-parameter map, then every bucket through the comm hook if any), with zeros.
+        The bucket rebuild happens here as on the active ranks (this rank adds no ready order)."""
+        if self._rebuild_due:
+            self._rebuild()
         works: list[Work] = []
         if self.find_unused_parameters:
             used = all_reduce(torch.zeros(len(self.params), dtype=torch.int32), ReduceOp.MAX, group=self.group, async_op=True)
@@ -234,6 +276,9 @@ class Reducer:
             works.append(self._launch(bucket))
         for work in works:
             work.wait()
+        if self._order is not None:
+            self._order = []  # a rank that joined before any backward of its own: no order to offer
+            self._first_backward_done()
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks from the parameters."""

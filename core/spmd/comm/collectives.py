@@ -91,7 +91,7 @@ def _complete(
     work.default_timeout = group.timeout_s
     work._entry = entry
     work._group = group
-    if op is not entry.op:  # point-to-point: "isend to rank 3 (tag 0)"
+    if op != entry.op:  # point-to-point: "isend to rank 3 (tag 0)"
         work._describe = lambda: group.describe(op)
     if async_op:
         if after is not None:

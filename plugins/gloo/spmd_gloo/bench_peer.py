@@ -9,10 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-
-def _elements(nbytes: int, multiple: int) -> int:
-    n = max(nbytes // 4, 1)
-    return max(n - n % multiple, multiple)
+from spmd.bench.ops import elements
 
 
 def raw_gloo_ops(ctx: Any) -> dict[str, Callable[[int], Callable[[], object]]]:
@@ -21,32 +18,32 @@ def raw_gloo_ops(ctx: Any) -> dict[str, Callable[[int], Callable[[], object]]]:
     n = ctx.world_size
 
     def all_reduce(nbytes: int) -> Callable[[], object]:
-        t = torch.ones(_elements(nbytes, 1))
+        t = torch.ones(elements(nbytes, 1))
         return lambda: pg.allreduce([t]).wait()
 
     def broadcast(nbytes: int) -> Callable[[], object]:
-        t = torch.ones(_elements(nbytes, 1))
+        t = torch.ones(elements(nbytes, 1))
         opts = tdist.BroadcastOptions()
         return lambda: pg.broadcast([t], opts).wait()
 
     def all_gather(nbytes: int) -> Callable[[], object]:
-        total = _elements(nbytes, n)
+        total = elements(nbytes, n)
         out, inp = torch.empty(total), torch.ones(total // n)
         return lambda: pg._allgather_base(out, inp).wait()
 
     def reduce_scatter(nbytes: int) -> Callable[[], object]:
-        total = _elements(nbytes, n)
+        total = elements(nbytes, n)
         out, inp = torch.empty(total // n), torch.ones(total)
         return lambda: pg._reduce_scatter_base(out, inp).wait()
 
     def all_to_all(nbytes: int) -> Callable[[], object]:
-        total = _elements(nbytes, n)
+        total = elements(nbytes, n)
         out, inp = torch.empty(total), torch.ones(total)
         opts = tdist.AllToAllOptions()
         return lambda: pg.alltoall_base(out, inp, [], [], opts).wait()
 
     def sendrecv(nbytes: int) -> Callable[[], object]:
-        t = torch.ones(_elements(nbytes, 1))
+        t = torch.ones(elements(nbytes, 1))
         if ctx.rank == 0:
             return lambda: (pg.send([t], 1, 0).wait(), pg.recv([t], 1, 0).wait())
         if ctx.rank == 1:

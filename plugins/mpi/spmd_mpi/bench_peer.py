@@ -12,10 +12,7 @@ from typing import Any
 
 import torch
 
-
-def _elements(nbytes: int, multiple: int) -> int:
-    n = max(nbytes // 4, 1)
-    return max(n - n % multiple, multiple)
+from spmd.bench.ops import elements
 
 
 def raw_mpi_ops(ctx: Any = None) -> dict[str, Callable[[int], Callable[[], object]]]:
@@ -28,30 +25,30 @@ def raw_mpi_ops(ctx: Any = None) -> dict[str, Callable[[int], Callable[[], objec
     in_place, total = MPI.IN_PLACE, MPI.SUM
 
     def all_reduce(nbytes: int) -> Callable[[], object]:
-        a = torch.ones(_elements(nbytes, 1)).numpy()
+        a = torch.ones(elements(nbytes, 1)).numpy()
         return lambda: comm.Allreduce(in_place, a, total)
 
     def broadcast(nbytes: int) -> Callable[[], object]:
-        a = torch.ones(_elements(nbytes, 1)).numpy()
+        a = torch.ones(elements(nbytes, 1)).numpy()
         return lambda: comm.Bcast(a, 0)
 
     def all_gather(nbytes: int) -> Callable[[], object]:
-        count = _elements(nbytes, n)
+        count = elements(nbytes, n)
         out, inp = torch.empty(count).numpy(), torch.ones(count // n).numpy()
         return lambda: comm.Allgather(inp, out)
 
     def reduce_scatter(nbytes: int) -> Callable[[], object]:
-        count = _elements(nbytes, n)
+        count = elements(nbytes, n)
         out, inp = torch.empty(count // n).numpy(), torch.ones(count).numpy()
         return lambda: comm.Reduce_scatter_block(inp, out, total)
 
     def all_to_all(nbytes: int) -> Callable[[], object]:
-        count = _elements(nbytes, n)
+        count = elements(nbytes, n)
         out, inp = torch.empty(count).numpy(), torch.ones(count).numpy()
         return lambda: comm.Alltoall(inp, out)
 
     def sendrecv(nbytes: int) -> Callable[[], object]:
-        a = torch.ones(_elements(nbytes, 1)).numpy()
+        a = torch.ones(elements(nbytes, 1)).numpy()
         if rank == 0:
             return lambda: (comm.Send(a, 1), comm.Recv(a, 1))
         if rank == 1:

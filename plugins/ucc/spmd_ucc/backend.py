@@ -56,7 +56,29 @@ SEGMENT_BYTES = int(os.environ.get("SPMD_UCC_SEGMENT_BYTES", str(4 << 20)))
 Requests = tuple[Any, ...]
 
 
-class UcxWork(Work, Pending):
+class EngineWork(Work, Pending):
+    """A Work the process's UCX engine drives: waiting, polling and callbacks go through it."""
+
+    _backend: UccBackend
+
+    def _wait_native(self, timeout: float | None) -> bool:
+        if self._is_done:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return self._backend.engine.wait_until(lambda: self._is_done, deadline)
+
+    def is_completed(self) -> bool:
+        if not self._is_done:
+            self._backend.engine.try_progress()
+        return self._is_done
+
+    def add_done_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
+        if not self._is_done:
+            self._backend.engine.wants_callback(self)
+        super().add_done_callback(callback)
+
+
+class UcxWork(EngineWork):
     """A Work over one UCX request (isend/irecv)."""
 
     def __init__(self, backend: UccBackend, req: Any, buffer: Any, peer: Peer, what: str) -> None:
@@ -88,24 +110,8 @@ class UcxWork(Work, Pending):
         self._req = self._buffer = None
         self._finish(None, self._failure)
 
-    def _wait_native(self, timeout: float | None) -> bool:
-        if self._is_done:
-            return True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        return self._backend.engine.wait_until(lambda: self._is_done, deadline)
 
-    def is_completed(self) -> bool:
-        if not self._is_done:
-            self._backend.engine.try_progress()
-        return self._is_done
-
-    def add_done_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
-        if not self._is_done:
-            self._backend.engine.wants_callback(self)
-        super().add_done_callback(callback)
-
-
-class CollectiveOp(Work, Pending):
+class CollectiveOp(EngineWork):
     """A native collective: a generator that yields the requests it waits for next."""
 
     def __init__(self, backend: UccBackend, name: str) -> None:
@@ -173,22 +179,6 @@ class CollectiveOp(Work, Pending):
         self._waiting = ()
         self._posted = []
         self._finish(None, self._failure)
-
-    def _wait_native(self, timeout: float | None) -> bool:
-        if self._is_done:
-            return True
-        deadline = None if timeout is None else time.monotonic() + timeout
-        return self._backend.engine.wait_until(lambda: self._is_done, deadline)
-
-    def is_completed(self) -> bool:
-        if not self._is_done:
-            self._backend.engine.try_progress()
-        return self._is_done
-
-    def add_done_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
-        if not self._is_done:
-            self._backend.engine.wants_callback(self)
-        super().add_done_callback(callback)
 
 
 def _agree_group_id(ctx: BackendContext) -> int:

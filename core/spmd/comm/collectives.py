@@ -66,9 +66,7 @@ def _begin(
     root: int | None = None,
 ) -> Entry:
     """Take the next sequence number, record the op, and run the desync check if it is on."""
-    seq = group.seq
-    group.seq = seq + 1
-    entry = recorder.start(group.name, seq, op, tensors, reduce_op)
+    entry = recorder.start(group.name, group.next_seq(), op, tensors, reduce_op)
     if desync.on:
         desync.check(group, entry, root)
     return entry

@@ -31,11 +31,6 @@ def _read_switch() -> bool:
 on: bool = _read_switch()
 
 
-def enabled() -> bool:
-    """Whether checks are on."""
-    return on
-
-
 def refresh() -> None:
     """Re-read ``SPMD_DESYNC_CHECK``."""
     global on

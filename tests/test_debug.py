@@ -124,13 +124,18 @@ def test_dump_format_and_analysis_of_a_clean_run(tmp_path, monkeypatch):
         t = torch.ones(3)
         spmd.all_reduce(t)
         spmd.broadcast(t, src=0)
+        # Ops whose Work is done before the kernel attaches the recorder entry complete it too.
+        spmd.all_gather_into_tensor(torch.empty(0), torch.empty(0))
+        spmd.broadcast(torch.empty(0), src=0, async_op=True).wait()
         path = spmd.debug.dump("test")
     finally:
         spmd.destroy_process_group()
     data = json.loads(path.read_text())
     assert data["version"] == spmd.debug.dump_format_version == 1
-    ops = [(e["op"], e["state"]) for e in data["entries"] if e["group"] == "world"][-2:]
-    assert ops == [("all_reduce", "completed"), ("broadcast", "completed")]
+    ops = [(e["op"], e["state"]) for e in data["entries"] if e["group"] == "world"][-4:]
+    assert ops == [("all_reduce", "completed"), ("broadcast", "completed"),
+                   ("all_gather_into_tensor", "completed"), ("broadcast", "completed")]
+    assert data["progress"]["world"]["last_completed"] == data["progress"]["world"]["last_started"]
     result = analyze.analyze(analyze.load(tmp_path))
     assert result["groups"][0]["stuck_seq"] is None
 

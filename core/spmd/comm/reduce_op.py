@@ -20,6 +20,10 @@ class ReduceOp(enum.Enum):
     BOR = "bor"
     BXOR = "bxor"
 
+    #: Members are singletons compared by identity, so hash by identity too: Enum's own
+    #: ``__hash__`` is Python code, and the collectives look ops up in dicts on every call.
+    __hash__ = object.__hash__
+
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
 
@@ -31,17 +35,17 @@ def is_floating(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-#: dtypes already checked per op (keyed by ``id(op)``: an Enum's hash runs Python code).
-_CHECKED: dict[int, set[torch.dtype]] = {}
+#: dtypes already checked per op.
+_CHECKED: dict[ReduceOp, set[torch.dtype]] = {}
 
 
 def check_reduce_op(op: ReduceOp, dtype: torch.dtype) -> None:
     """Raise a clear TypeError when ``op`` makes no sense for ``dtype``."""
-    checked = _CHECKED.get(id(op))
+    checked = _CHECKED.get(op)
     if checked is not None and dtype in checked:
         return
     _check(op, dtype)
-    _CHECKED.setdefault(id(op), set()).add(dtype)
+    _CHECKED.setdefault(op, set()).add(dtype)
 
 
 def _check(op: ReduceOp, dtype: torch.dtype) -> None:

@@ -42,7 +42,7 @@ def is_initialized() -> bool:
 
 def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
     """``group`` itself, or the world group when None; a non-member's group is an error."""
-    state = get_state()
+    state = _state if _state is not None else get_state()  # get_state() raises the not-initialised error
     if group is None:
         return state.world
     if group is NON_GROUP_MEMBER:

@@ -20,7 +20,7 @@ import torch.distributed as tdist
 
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.work import Work, timeout_error
+from spmd.comm.work import Timeout, Work, timeout_error
 from spmd.errors import CollectiveError
 
 _GLOO_REDUCE_DTYPES = frozenset(
@@ -90,6 +90,18 @@ class GlooWork(Work):
                 return False  # our shorter timed wait expired; the op itself may still finish
             self._finish(None, self._error_from(error))
             return True
+        self._finish(None, None)
+        return True
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        """Wait natively; the untimed wait (the synchronous collectives' path) settles in this frame."""
+        limit = self.default_timeout
+        if timeout is not None or self._is_done or (limit is not None and limit < self._group_timeout):
+            return super().wait(timeout)
+        try:
+            self._native.wait()  # Gloo bounds it with the group timeout
+        except RuntimeError:
+            return super().wait(timeout)  # the error path: the base class settles and explains it
         self._finish(None, None)
         return True
 
@@ -178,6 +190,9 @@ class GlooBackend(Backend):
 
     # -- collectives ---------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+        options = _ALLREDUCE_OPTIONS.get(op) if tensor.dtype in _GLOO_REDUCE_DTYPES else None
+        if options is not None and tensor.numel():  # the common case, with no further calls
+            return GlooWork(self.pg.allreduce([tensor], options), self._timeout_s)
         native = self._native_reduce(tensor, op)
         if native is None or tensor.numel() == 0:
             return super().all_reduce(tensor, op)
@@ -203,6 +218,8 @@ class GlooBackend(Backend):
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
         if input.numel() == 0:
             return Work.completed()
+        if input.dim() == 1 and output.dim() == 1 and input.dtype in _GLOO_DATA_DTYPES:  # no views to make
+            return GlooWork(self.pg._allgather_base(output, input), self._timeout_s)
         out, inp = _bytes(output), _bytes(input)
         return self._wrap(self.pg._allgather_base(out, inp), (out, inp))
 

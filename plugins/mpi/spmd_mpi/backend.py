@@ -105,7 +105,7 @@ class MpiBackend(Backend):
 
     # -- reductions ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
-        table = _REDUCE.get(id(op))
+        table = _REDUCE.get(op)
         entry = table.get(tensor.dtype) if table is not None else None
         if entry is not None:
             nbytes = tensor.nbytes
@@ -123,7 +123,7 @@ class MpiBackend(Backend):
         return super().all_reduce(tensor, op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
-        table = _REDUCE.get(id(op))
+        table = _REDUCE.get(op)
         if table is None or (tensor.dtype not in table and tensor.dtype not in _STAGED):
             return super().reduce(tensor, dst, op)
         if tensor.numel() == 0:
@@ -141,7 +141,7 @@ class MpiBackend(Backend):
         return MpiWork(request, (tensor, pooled), self._staged_done(pooled, view, tensor if root else None), view.nbytes)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
-        table = _REDUCE.get(id(op))
+        table = _REDUCE.get(op)
         entry = table.get(input.dtype) if table is not None else None
         if entry is not None:
             out_bytes = output.nbytes

@@ -12,8 +12,8 @@ import torch
 
 from spmd.comm.reduce_op import ReduceOp
 
-#: id(ReduceOp) -> {torch.dtype: (MPI datatype, MPI op)} for every pair MPI reduces natively.
-REDUCE: dict[int, dict[torch.dtype, tuple[Any, Any]]] = {}
+#: ReduceOp -> {torch.dtype: (MPI datatype, MPI op)} for every pair MPI reduces natively.
+REDUCE: dict[ReduceOp, dict[torch.dtype, tuple[Any, Any]]] = {}
 #: dtypes MPI has no type for: reduced in float32 staging buffers.
 STAGED = frozenset({torch.float16, torch.bfloat16})
 
@@ -63,4 +63,4 @@ def build_tables(mpi: Any) -> None:
                 continue
             table[dtype] = (mpi_type, mpi_op)
         table[torch.bool] = (mpi.C_BOOL, bool_ops[op])
-        REDUCE[id(op)] = table
+        REDUCE[op] = table

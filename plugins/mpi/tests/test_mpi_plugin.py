@@ -248,7 +248,7 @@ def test_reduce_table_covers_every_valid_pair():
         from spmd_mpi import backend
         backend.load_mpi()
         missing = [(str(d), op.name) for d in REDUCE_DTYPES for op in valid_ops(d) if op is not ReduceOp.AVG
-                   and d not in backend._STAGED and d not in backend._REDUCE[id(op)]]
+                   and d not in backend._STAGED and d not in backend._REDUCE[op]]
         print(missing)
         """
     ).stdout

@@ -122,7 +122,7 @@ def _complete(
     description and the diagnosis of a failure are derived from the group and
     the entry only when an error needs them (``Work.description``, ``Work._explain``).
     """
-    entry = recorder.start(group.name, group.next_seq(), *call) if type(call) is tuple else call
+    entry = call if isinstance(call, Entry) else recorder.start(group.name, group.next_seq(), *call)
     work.default_timeout = group.timeout_s
     work._entry = entry
     work._group = group

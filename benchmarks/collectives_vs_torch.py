@@ -8,7 +8,10 @@ size the two alternate call by call (spmd, raw, raw, spmd, ...) so machine
 noise hits both alike; the table shows the median per-call time of
 each, the ratio spmd/raw (below 1.0: spmd faster), and raw2/raw: a second,
 identical raw Gloo group against the first, which shows how far two equal
-things differ on this machine (the noise floor of the ratio). Size is the bytes of
+things differ on this machine (the noise floor of the ratio). tdist/raw is
+torch.distributed's own module-level API (``torch.distributed.all_reduce`` ...)
+on a third Gloo group: the Python layer torch users call, measured the same
+way, so spmd's overhead can be read against torch's. Size is the bytes of
 the per-rank tensor for all_reduce and broadcast, of the output for
 all_gather_into_tensor, and of the input for reduce_scatter_tensor and
 all_to_all_single.
@@ -22,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import warnings
 from datetime import timedelta
 
 import torch
@@ -76,6 +80,23 @@ def calls(op: str, nbytes: int, world: int, pg: tdist.ProcessGroupGloo):
     raise ValueError(op)
 
 
+def torch_api_call(op: str, nbytes: int, world: int):
+    """The same op through torch.distributed's module-level API, on its default (Gloo) group."""
+    n = elements(nbytes)
+    per = elements(nbytes, world) // world
+    if op == "all_reduce":
+        return _rotating(lambda: (torch.ones(n),), lambda a: tdist.all_reduce(a))
+    if op == "broadcast":
+        return _rotating(lambda: (torch.ones(n),), lambda a: tdist.broadcast(a, src=0))
+    if op == "all_gather_into_tensor":
+        return _rotating(lambda: (torch.empty(per * world), torch.ones(per)), lambda o, i: tdist.all_gather_into_tensor(o, i))
+    if op == "reduce_scatter_tensor":
+        return _rotating(lambda: (torch.empty(per), torch.ones(per * world)), lambda o, i: tdist.reduce_scatter_tensor(o, i))
+    if op == "all_to_all_single":
+        return _rotating(lambda: (torch.empty(per * world), torch.ones(per * world)), lambda o, i: tdist.all_to_all_single(o, i))
+    raise ValueError(op)
+
+
 def worker(args: argparse.Namespace) -> None:
     import spmd
 
@@ -86,25 +107,31 @@ def worker(args: argparse.Namespace) -> None:
     pg = tdist.ProcessGroupGloo(tdist.PrefixStore("raw/", store), rank, world, timedelta(seconds=120))
     # A second raw group: raw2/raw shows the noise floor (two identical Gloo groups differ too).
     pg2 = tdist.ProcessGroupGloo(tdist.PrefixStore("raw2/", store), rank, world, timedelta(seconds=120))
+    # torch.distributed's API on its own default group (it lives beside spmd in one process).
+    tdist.init_process_group("gloo", store=tdist.PrefixStore("tdist/", store), rank=rank, world_size=world,
+                             timeout=timedelta(seconds=120))
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")  # all_gather_into_tensor
     barrier = lambda: pg.barrier().wait()  # noqa: E731 - the same barrier for both sides
     results = []
     for op in args.ops:
         for nbytes in stepped_sweep(args.max_bytes):
             ours, raw = calls(op, nbytes, world, pg)
             _, control = calls(op, nbytes, world, pg2)
-            sides = [ours, raw, control]
+            sides = [ours, raw, control, torch_api_call(op, nbytes, world)]
             for side in sides:
                 side()  # warm-up: connections, staging buffers, page faults
-            t_ours, t_raw, t_ctl = time_interleaved(sides, iterations_for_bytes(nbytes) * args.rounds, sync=barrier)
-            med_ours, med_raw, med_ctl = (statistics.median(t) for t in (t_ours, t_raw, t_ctl))
+            times = time_interleaved(sides, iterations_for_bytes(nbytes) * args.rounds, sync=barrier)
+            med_ours, med_raw, med_ctl, med_api = (statistics.median(t) for t in times)
             results.append({"op": op, "bytes": nbytes, "spmd_s": med_ours, "raw_s": med_raw, "ratio": med_ours / med_raw,
-                            "control_ratio": med_ctl / med_raw})
+                            "control_ratio": med_ctl / med_raw, "torch_api_ratio": med_api / med_raw})
             if rank == 0 and not args.json:
                 r = results[-1]
-                print(f"{op:24s} {human(nbytes):>8s} {r['spmd_s'] * 1e6:12.1f} {r['raw_s'] * 1e6:12.1f} {r['ratio']:8.3f} {r['control_ratio']:9.3f}", flush=True)
+                print(f"{op:24s} {human(nbytes):>8s} {r['spmd_s'] * 1e6:12.1f} {r['raw_s'] * 1e6:12.1f} {r['ratio']:8.3f} "
+                      f"{r['control_ratio']:9.3f} {r['torch_api_ratio']:10.3f}", flush=True)
     if rank == 0 and args.json:
         print(json.dumps(results, indent=1))
     spmd.destroy_process_group()
+    tdist.destroy_process_group()
 
 
 def main() -> None:
@@ -119,8 +146,9 @@ def main() -> None:
         worker(args)
         return
     if not args.json:
-        print(f"{args.world_size} ranks, Gloo; median per call, spmd and raw alternating call by call; ratio = spmd / raw; raw2/raw = control")
-        print(f"{'op':24s} {'size':>8s} {'spmd us':>12s} {'raw us':>12s} {'ratio':>8s} {'raw2/raw':>9s}")
+        print(f"{args.world_size} ranks, Gloo; median per call, spmd and raw alternating call by call; ratio = spmd / raw; "
+              "raw2/raw = control; tdist/raw = torch.distributed's API")
+        print(f"{'op':24s} {'size':>8s} {'spmd us':>12s} {'raw us':>12s} {'ratio':>8s} {'raw2/raw':>9s} {'tdist/raw':>10s}")
     sys.exit(relaunch_locally(args.world_size))
 
 

@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 
-    import spmd_nccl
     import torch
+
+    import spmd_nccl
     from spmd_nccl import gpu_checks
 
     if not torch.cuda.is_available():

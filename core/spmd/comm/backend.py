@@ -146,7 +146,9 @@ class Backend(abc.ABC):
     Subclasses call ``super().__init__(ctx)`` and implement ``isend``/``irecv``;
     overriding any collective in ``COLLECTIVE_OPS`` makes it native (and shown
     as such by ``spmd doctor``). Ranks are group-local. Every method returns a
-    Work at once; generic collectives run on a worker thread.
+    Work at once (the kernel records the op in the flight recorder when it
+    returns, so a method that blocked would hide its op from hang diagnosis);
+    generic collectives run on a worker thread.
     """
 
     #: Whether ``all_reduce``/``reduce``/``reduce_scatter_tensor`` accept ``ReduceOp.AVG``. A

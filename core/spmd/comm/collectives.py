@@ -48,7 +48,7 @@ def _route(group: ProcessGroup | None, tensor: torch.Tensor, what: str, op: str,
         _check_tensor(tensor, what, op)  # raises for what is not a dense tensor
     if reduce_op is not None:
         check_reduce_op(reduce_op, tensor.dtype)
-    backend = g._by_device.get(tensor.device)
+    backend = g.backends_by_device.get(tensor.device)
     return g, backend if backend is not None else g.backend_for(tensor)
 
 

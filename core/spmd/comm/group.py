@@ -47,9 +47,10 @@ class ProcessGroup:
         self._root_store = store
         self.store = tdist.PrefixStore(f"spmd/{name}/", store)
         self._backends: dict[str, Backend] = {}
-        #: The same backends keyed by torch.device: ``tensor.device`` is a cheap key, while
+        #: The backends created so far, keyed by torch.device (filled by ``backend_for``; the
+        #: collectives read it directly): ``tensor.device`` is a cheap key, while
         #: ``tensor.device.type`` costs a string conversion on every call (hot path).
-        self._by_device: dict[torch.device, Backend] = {}
+        self.backends_by_device: dict[torch.device, Backend] = {}
         self._lock = threading.Lock()
         self._global_to_group = {g: i for i, g in enumerate(self.ranks)}
         self.seq = 0  # collectives issued on this group, in program order
@@ -101,10 +102,10 @@ class ProcessGroup:
     def backend_for(self, tensor: torch.Tensor) -> Backend:
         """The backend for ``tensor``'s device (created on first use)."""
         device = tensor.device
-        backend = self._by_device.get(device)
+        backend = self.backends_by_device.get(device)
         if backend is None:
             backend = self.backend(device.type)
-            self._by_device[device] = backend
+            self.backends_by_device[device] = backend
         return backend
 
     def _create_backend(self, device_type: str) -> Backend:
@@ -159,7 +160,7 @@ class ProcessGroup:
         """Close every backend this group created."""
         with self._lock:
             created, self._backends = self._backends, {}
-            self._by_device = {}
+            self.backends_by_device = {}
         for backend in created.values():
             backend.close()
 

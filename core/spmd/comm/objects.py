@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from spmd.comm import collectives
+from spmd.comm.checks import resolve_root
 from spmd.comm.group import ProcessGroup
 from spmd.comm.state import resolve_group
 
@@ -53,7 +54,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
 def broadcast_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None, group_src: int | None = None) -> None:
     """Every rank's ``object_list`` becomes ``src``'s (lists must have equal length)."""
     g = resolve_group(group)
-    root = collectives._root(g, 0 if src is None and group_src is None else src, group_src, "src", "broadcast_object_list")
+    root = resolve_root(g, 0 if src is None and group_src is None else src, group_src, "src", "broadcast_object_list")
     payload = _to_tensor(list(object_list)) if g.rank == root else torch.empty(0, dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     collectives.broadcast(size, group=g, group_src=root)
@@ -73,7 +74,7 @@ def broadcast_object_list(object_list: list[Any], src: int | None = None, group:
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None, group: ProcessGroup | None = None, group_dst: int | None = None) -> None:
     """On ``dst``, ``object_gather_list[r]`` becomes rank r's ``obj``."""
     g = resolve_group(group)
-    root = collectives._root(g, 0 if dst is None and group_dst is None else dst, group_dst, "dst", "gather_object")
+    root = resolve_root(g, 0 if dst is None and group_dst is None else dst, group_dst, "dst", "gather_object")
     if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
         raise ValueError(f"gather_object: the destination must pass object_gather_list with {g.size} slots")
     payload = _to_tensor(obj)
@@ -91,7 +92,7 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None, src: int | None = None, group: ProcessGroup | None = None, group_src: int | None = None) -> None:
     """``scatter_object_output_list[0]`` becomes ``src``'s ``scatter_object_input_list[r]`` on rank r."""
     g = resolve_group(group)
-    root = collectives._root(g, 0 if src is None and group_src is None else src, group_src, "src", "scatter_object_list")
+    root = resolve_root(g, 0 if src is None and group_src is None else src, group_src, "src", "scatter_object_list")
     if not scatter_object_output_list:
         raise ValueError("scatter_object_list: pass an output list with at least one slot")
     payloads = None

@@ -8,15 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from spmd.comm.backend import COLLECTIVE_TAG_BASE
-from spmd.comm.collectives import (
-    _check_tensor,
-    _complete,
-    _Contiguous,
-    _root,
-    _sequence,
-    _staging_steps,
-)
+from spmd.comm.checks import check_tensor, resolve_root
 from spmd.comm.group import ProcessGroup
+from spmd.comm.lifecycle import complete
+from spmd.comm.staging import Contiguous, sequence, staging_steps
 from spmd.comm.state import resolve_group
 from spmd.comm.work import Work, WorkList
 from spmd.debug.recorder import recorder
@@ -28,7 +23,7 @@ def _check_tag(tag: int, op: str) -> None:
 
 
 def _peer(g: ProcessGroup, rank: int | None, group_rank: int | None, what: str, op: str) -> int:
-    peer = _root(g, rank, group_rank, what, op)
+    peer = resolve_root(g, rank, group_rank, what, op)
     if peer == g.rank:
         raise ValueError(f"{op}: {what} is this rank itself ({g.ranks[peer]}); a rank cannot {op} to itself")
     return peer
@@ -37,13 +32,13 @@ def _peer(g: ProcessGroup, rank: int | None, group_rank: int | None, what: str, 
 def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None) -> Work:
     """Start sending ``tensor`` to ``dst``; keep the tensor unchanged until the Work completes."""
     g = resolve_group(group)
-    _check_tensor(tensor, "tensor", "isend")
+    check_tensor(tensor, "tensor", "isend")
     _check_tag(tag, "isend")
     peer = _peer(g, dst, group_dst, "dst", "isend")
-    staged = _Contiguous(tensor)
+    staged = Contiguous(tensor)
     entry = recorder.start(g.name, -1, "send", (tensor,), None, g.ranks[peer])
     work = g.backend_for(tensor).isend(staged.tensor, peer, tag)
-    result = _complete(work, g, f"isend to rank {g.ranks[peer]} (tag {tag})", entry, True, _sequence(*_staging_steps(staged)))
+    result = complete(work, g, f"isend to rank {g.ranks[peer]} (tag {tag})", entry, True, sequence(*staging_steps(staged)))
     assert result is not None
     return result
 
@@ -51,16 +46,16 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | No
 def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None) -> Work:
     """Start receiving into ``tensor`` from ``src``; read it only after the Work completes."""
     g = resolve_group(group)
-    _check_tensor(tensor, "tensor", "irecv")
+    check_tensor(tensor, "tensor", "irecv")
     _check_tag(tag, "irecv")
     if src is None and group_src is None:
         raise ValueError("irecv: receiving from any source is not supported; pass src= (the sender's rank)")
     peer = _peer(g, src, group_src, "src", "irecv")
-    staged = _Contiguous(tensor, copy_in=False)
+    staged = Contiguous(tensor, copy_in=False)
     entry = recorder.start(g.name, -1, "recv", (tensor,), None, g.ranks[peer])
     work = g.backend_for(tensor).irecv(staged.tensor, peer, tag)
-    after = _sequence(*_staging_steps(staged, write_back=(staged,)))
-    result = _complete(work, g, f"irecv from rank {g.ranks[peer]} (tag {tag})", entry, True, after)
+    after = sequence(*staging_steps(staged, write_back=(staged,)))
+    result = complete(work, g, f"irecv from rank {g.ranks[peer]} (tag {tag})", entry, True, after)
     assert result is not None
     return result
 

@@ -75,3 +75,49 @@ def never_meet(timeout: float) -> str:
     except spmd.CollectiveTimeoutError as error:
         return str(error)
     return "no error"
+
+
+def split_group_torch_form() -> tuple[list[int] | None, float | None]:
+    """torch's split_group form on 4 ranks: [[0, 2], [3]]; rank 1 is in no split and gets None."""
+    group = spmd.split_group(split_ranks=[[0, 2], [3]])
+    if group is None:
+        return None, None
+    t = torch.tensor([float(spmd.get_rank() + 1)])
+    spmd.all_reduce(t, group=group)
+    return spmd.get_process_group_ranks(group), t.item()
+
+
+def unsorted_and_local_groups() -> tuple[int, float, list[float]]:
+    """new_group(sort_ranks=False) keeps the given order; use_local_synchronization needs only members."""
+    ordered = spmd.new_group([2, 0, 1], sort_ranks=False)
+    t = torch.tensor([float(spmd.get_rank())])
+    spmd.broadcast(t, group=ordered, group_src=0)  # group rank 0 is world rank 2
+    sums = []
+    if spmd.get_rank() != 1:  # rank 1 never calls: only members synchronise
+        for _ in range(2):  # twice: the same members get two distinct groups
+            local = spmd.new_group([0, 2], use_local_synchronization=True)
+            s = torch.tensor([float(spmd.get_rank() + 1)])
+            spmd.all_reduce(s, group=local)
+            sums.append(s.item())
+    spmd.barrier()
+    return spmd.get_rank(ordered), t.item(), sums
+
+
+def barrier_with_timeout(timeout: float) -> str:
+    """Rank 0's barrier(timeout=) fails fast while rank 1 is elsewhere; rank 1 then lets it finish."""
+    from spmd.comm.state import get_state
+
+    store = get_state().store
+    spmd.barrier()  # both ranks: the backend exists before rank 0 is left alone
+    if spmd.get_rank() == 0:
+        start = time.monotonic()
+        try:
+            spmd.barrier(timeout=timeout)
+            outcome = "no error"
+        except spmd.CollectiveTimeoutError as error:
+            outcome = f"{time.monotonic() - start:.2f}|{error}"
+        store.set("barrier_test/rank0_done", "1")
+        return outcome
+    store.wait(["barrier_test/rank0_done"])  # no fixed sleep: rank 1 joins once rank 0 has timed out
+    spmd.barrier()
+    return "joined"

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import helpers
@@ -91,3 +92,60 @@ def test_new_group_and_split_group_ranks(spmd_world):
 def test_many_async_ops_in_flight(spmd_world):
     for values in spmd_world(2, "gloo").run(helpers.async_overlap):
         assert values == [1.0 + 2 * k for k in range(5)]
+
+
+def test_split_group_torch_form(spmd_world):
+    results = spmd_world(4, "gloo").run(helpers.split_group_torch_form)
+    assert results[1] == (None, None)
+    assert results[0] == results[2] == ([0, 2], 1.0 + 3.0)
+    assert results[3] == ([3], 4.0)
+
+
+def test_split_group_argument_errors():
+    spmd.init("gloo")
+    try:
+        with pytest.raises(ValueError, match="either split_ranks .* or color="):
+            spmd.split_group()
+        with pytest.raises(ValueError, match="not both"):
+            spmd.split_group(split_ranks=[[0]], color=0)
+        with pytest.raises(ValueError, match="must not overlap"):
+            spmd.split_group(split_ranks=[[0], [0]])
+        with pytest.raises(ValueError, match="out of range"):
+            spmd.split_group(split_ranks=[[0, 1]])
+        with pytest.raises(ValueError, match="name a rank twice"):
+            spmd.new_group([0, 0])
+    finally:
+        spmd.destroy_process_group()
+
+
+def test_new_group_order_and_local_synchronization(spmd_world):
+    results = spmd_world(3, "gloo").run(helpers.unsorted_and_local_groups)
+    assert [r[0] for r in results] == [1, 2, 0]  # group ranks follow [2, 0, 1]
+    assert [r[1] for r in results] == [2.0, 2.0, 2.0]  # broadcast from group rank 0 = world rank 2
+    assert results[0][2] == results[2][2] == [4.0, 4.0] and results[1][2] == []
+
+
+def test_barrier_timeout_argument(spmd_world):
+    rank0, rank1 = spmd_world(2, "gloo").run(helpers.barrier_with_timeout, 0.5)
+    elapsed, message = rank0.split("|", 1)
+    assert float(elapsed) < 5.0, "barrier(timeout=0.5) waited for the group timeout instead"
+    assert "barrier" in message and rank1 == "joined"
+
+
+def test_module_api_matches_torch_signatures():
+    """Every torch.distributed function spmd offers takes torch's parameters, in torch's order."""
+    import inspect
+    import warnings
+
+    import torch.distributed as tdist
+
+    extra = {"init_process_group": {"trace_dir"}, "get_backend": {"device"}}  # spmd's additions
+    private = {"init_process_group": {"_ranks"}}  # torch-internal parameters
+    names = [n for n in spmd.__all__ if callable(getattr(tdist, n, None)) and inspect.isfunction(getattr(spmd, n))]
+    assert {"all_reduce", "split_group", "new_group", "barrier", "all_gather_single"} <= set(names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            ours = [p for p in inspect.signature(getattr(spmd, name)).parameters if p not in extra.get(name, set())]
+            theirs = [p for p in inspect.signature(getattr(tdist, name)).parameters if p not in private.get(name, set())]
+            assert ours[: len(theirs)] == theirs, f"spmd.{name}{ours} vs torch.distributed.{name}{theirs}"

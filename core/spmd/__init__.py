@@ -14,6 +14,7 @@ from spmd.comm.backend import Backend, BackendContext, BackendSpec
 from spmd.comm.collectives import (
     all_gather,
     all_gather_into_tensor,
+    all_gather_single,
     all_reduce,
     all_to_all,
     all_to_all_single,
@@ -22,6 +23,7 @@ from spmd.comm.collectives import (
     gather,
     reduce,
     reduce_scatter,
+    reduce_scatter_single,
     reduce_scatter_tensor,
     scatter,
 )
@@ -80,6 +82,7 @@ __all__ = [
     "Work",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_gather_object",
     "all_reduce",
     "all_to_all",
@@ -109,6 +112,7 @@ __all__ = [
     "recv",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "scatter",
     "scatter_object_list",

@@ -10,6 +10,7 @@ or returns the Work (lifecycle.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 
@@ -34,7 +35,7 @@ from spmd.comm.staging import (
     unpack_blocks,
 )
 from spmd.comm.state import resolve_group
-from spmd.comm.work import Work
+from spmd.comm.work import Work, seconds
 
 _AVG = ReduceOp.AVG  # a module constant: reading an Enum member off its class costs ~100 ns
 
@@ -331,10 +332,27 @@ def scatter(
     return complete(work, g, "scatter", call, async_op, sequence(*staging_steps(staged, write_back=(staged,))))
 
 
-def barrier(group: ProcessGroup | None = None, async_op: bool = False, device_ids: object = None) -> Work | None:
-    """Return once every rank of ``group`` has called barrier (or raise at the group timeout)."""
+def barrier(
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    device_ids: object = None,
+    timeout: timedelta | float | None = None,
+) -> Work | None:
+    """Return once every rank of ``group`` has called barrier; raise after ``timeout`` (the group's by default)."""
     g = resolve_group(group)
     device = "cpu" if g.backend_map is None or "cpu" in g.backend_map else next(iter(g.backend_map))
     backend = g.backend(device)
     call = begin(g, "barrier", (), None, None)
-    return complete(backend.barrier(), g, "barrier", call, async_op)
+    work = complete(backend.barrier(), g, "barrier", call, True)
+    assert work is not None
+    if timeout is not None:
+        work.default_timeout = seconds(timeout)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+#: torch 2.13's names for the tensor forms (it deprecates all_gather_into_tensor and reduce_scatter_tensor).
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor

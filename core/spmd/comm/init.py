@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as tdist
 
 from spmd.comm import state
@@ -229,73 +230,151 @@ def new_group(
     timeout: timedelta | float | None = None,
     backend: str | Mapping[str, str] | None = None,
     pg_options: Mapping[str, Any] | None = None,
+    use_local_synchronization: bool = False,
     group_desc: str | None = None,
+    device_id: torch.device | None = None,
+    sort_ranks: bool = True,
 ) -> Any:
-    """A group of the given world ranks (all ranks if None); every rank must call it, in the same order.
+    """A group of the given world ranks (all ranks if None), with torch's parameters.
 
-    Ranks outside the group get ``GroupMember.NON_GROUP_MEMBER``. Like torch,
-    this is collective by call order: ranks that create groups in different
-    orders get mismatched groups and hang (then time out).
+    Every rank must call it, in the same order, unless
+    ``use_local_synchronization``: then only the members call it (its name
+    comes from the ranks, not from a world-wide count). Ranks outside the group
+    get ``GroupMember.NON_GROUP_MEMBER``. Group ranks follow ``ranks`` sorted,
+    or as given with ``sort_ranks=False``. ``device_id`` creates that device's
+    backend now instead of on first use. Like torch, creation is collective by
+    call order: ranks that create groups in different orders get mismatched
+    groups and hang (then time out).
     """
     current = state.get_state()
     world = current.world
-    members = sorted(set(range(world.size) if ranks is None else ranks))
+    given = list(range(world.size) if ranks is None else ranks)
+    if len(set(given)) != len(given):
+        raise ValueError(f"new_group: ranks {given} name a rank twice; list each rank once")
+    members = sorted(given) if sort_ranks else given
     for r in members:
         if not 0 <= r < world.size:
             raise ValueError(f"new_group: rank {r} is out of range for world size {world.size}")
-    current.groups_created += 1
-    name = group_desc or f"group{current.groups_created}"
-    if name in current.groups:
-        name = f"{name}.{current.groups_created}"
-    if world.rank not in members:
-        return state.NON_GROUP_MEMBER
-    if isinstance(timeout, (int, float)):
-        timeout = timedelta(seconds=timeout)
+    if use_local_synchronization:
+        if world.rank not in members:
+            return state.NON_GROUP_MEMBER  # non-members need not call at all
+        count = current.local_groups_created.get(tuple(members), 0) + 1
+        current.local_groups_created[tuple(members)] = count
+        name = group_desc or f"local[{','.join(map(str, members))}]"
+        name = name if count == 1 else f"{name}#{count}"
+    else:
+        current.groups_created += 1
+        name = group_desc or f"group{current.groups_created}"
+        if name in current.groups:
+            name = f"{name}.{current.groups_created}"
+        if world.rank not in members:
+            return state.NON_GROUP_MEMBER
     backend_map = parse_backend_string(backend) if backend is not None else world.backend_map
     group = ProcessGroup(
         name,
         members,
         world.ranks[world.rank],
         current.store,
-        timeout or world.timeout,
+        _as_timedelta(timeout) or world.timeout,
         backend_map,
         pg_options or world.options,
         parent=world,
     )
     current.groups[name] = group
+    if device_id is not None:
+        group.backend(torch.device(device_id).type)
     return group
 
 
-def split_group(color: int, key: int | None = None, group: ProcessGroup | None = None) -> Any:
-    """Split ``group`` by ``color`` (MPI_Comm_split): ranks with one colour form one new group.
+def split_group(
+    parent_pg: ProcessGroup | None = None,
+    split_ranks: Sequence[Sequence[int]] | None = None,
+    timeout: timedelta | float | None = None,
+    pg_options: Mapping[str, Any] | None = None,
+    group_desc: str | None = None,
+    backend: str | Mapping[str, str] | None = None,
+    *,
+    color: int | None = None,
+    key: int | None = None,
+) -> Any:
+    """Split ``parent_pg`` (the world if None) into disjoint groups; every rank of it calls this.
 
-    Every rank of ``group`` calls it. ``key`` orders ranks inside the new
-    group (ties by old rank); a negative colour returns NON_GROUP_MEMBER.
+    torch's form: ``split_ranks`` lists the new groups as lists of parent-group
+    ranks (``[[0, 1], [2, 3]]``); a rank in none of them gets None, as in torch.
+    MPI_Comm_split's form: ``color=`` puts the ranks of one colour in one group,
+    ordered by ``key`` (ties by parent rank); a negative colour gets
+    NON_GROUP_MEMBER. ``backend`` keeps a subset of the parent's backends.
     """
     from spmd.comm.objects import all_gather_object
 
-    parent = state.resolve_group(group)
+    parent = state.resolve_group(parent_pg)
+    if (split_ranks is None) == (color is None):
+        raise ValueError(
+            "split_group: pass either split_ranks (torch's form: lists of parent-group ranks, "
+            "e.g. [[0, 1], [2, 3]]) or color= (MPI_Comm_split's form), not both and not neither"
+        )
+    if split_ranks is not None:
+        my_color, my_key = _color_of(parent, split_ranks), parent.rank
+    else:
+        assert color is not None
+        my_color, my_key = color, parent.rank if key is None else key
+    backend_map = _child_backends(parent, backend)
     gathered: list[Any] = [None] * parent.size
-    all_gather_object(gathered, (color, parent.rank if key is None else key), group=parent)
+    all_gather_object(gathered, (my_color, my_key), group=parent)
     current = state.get_state()
     current.groups_created += 1
-    split_id = current.groups_created
-    if color < 0:
-        return state.NON_GROUP_MEMBER
-    members = sorted(
-        (k, i) for i, (c, k) in enumerate(gathered) if c == color
-    )
-    ranks = [parent.ranks[i] for _, i in members]
-    name = f"{parent.name}.split{split_id}.c{color}"
+    if my_color < 0:
+        return None if split_ranks is not None else state.NON_GROUP_MEMBER
+    members = sorted((k, i) for i, (c, k) in enumerate(gathered) if c == my_color)
+    name = group_desc or f"{parent.name}.split{current.groups_created}.c{my_color}"
+    if name in current.groups:
+        name = f"{name}.{current.groups_created}"
     new = ProcessGroup(
         name,
-        ranks,
+        [parent.ranks[i] for _, i in members],
         parent.ranks[parent.rank],
         current.store,
-        parent.timeout,
-        parent.backend_map,
-        parent.options,
+        _as_timedelta(timeout) or parent.timeout,
+        backend_map,
+        pg_options or parent.options,
         parent=parent,
     )
     current.groups[name] = new
     return new
+
+
+def _color_of(parent: ProcessGroup, split_ranks: Sequence[Sequence[int]]) -> int:
+    """The index of the split that holds this rank (-1 if none), after checking the splits are disjoint."""
+    if len(split_ranks) == 0:
+        raise ValueError("split_group: split_ranks is empty; pass lists of parent-group ranks, e.g. [[0, 1], [2, 3]]")
+    seen: dict[int, int] = {}
+    for index, ranks in enumerate(split_ranks):
+        for r in ranks:
+            if not 0 <= r < parent.size:
+                raise ValueError(
+                    f"split_group: rank {r} in split_ranks[{index}] is out of range for group {parent.name!r} "
+                    f"of size {parent.size}; split_ranks holds parent-group ranks"
+                )
+            if r in seen:
+                raise ValueError(f"split_group: rank {r} is in split_ranks[{seen[r]}] and split_ranks[{index}]; splits must not overlap")
+            seen[r] = index
+    return seen.get(parent.rank, -1)
+
+
+def _child_backends(parent: ProcessGroup, backend: str | Mapping[str, str] | None) -> dict[str, str] | None:
+    """The child's backend map: the parent's, or the subset ``backend`` names (which must match the parent's)."""
+    if backend is None:
+        return parent.backend_map
+    requested = parse_backend_string(backend)
+    assert requested is not None
+    for device, name in requested.items():
+        if parent.backend_name(device) != name:
+            raise ValueError(
+                f"split_group: backend {name!r} for {device!r} differs from the parent group's "
+                f"{parent.backend_name(device)!r}; a split keeps a subset of the parent's backends"
+            )
+    return requested
+
+
+def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
+    return timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout

@@ -51,18 +51,29 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
         object_list[r] = _from_tensor(block[: sizes[r]])
 
 
-def broadcast_object_list(object_list: list[Any], src: int | None = None, group: ProcessGroup | None = None, group_src: int | None = None) -> None:
-    """Every rank's ``object_list`` becomes ``src``'s (lists must have equal length)."""
+def broadcast_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    group_src: int | None = None,
+) -> None:
+    """Every rank's ``object_list`` becomes ``src``'s (lists must have equal length).
+
+    ``device``, as in torch, is where the pickled bytes travel (e.g. "cuda" for a
+    group whose only backend is NCCL); by default the CPU.
+    """
     g = resolve_group(group)
     root = resolve_root(g, 0 if src is None and group_src is None else src, group_src, "src", "broadcast_object_list")
-    payload = _to_tensor(list(object_list)) if g.rank == root else torch.empty(0, dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    where = torch.device("cpu" if device is None else device)
+    payload = _to_tensor(list(object_list)).to(where) if g.rank == root else torch.empty(0, dtype=torch.uint8, device=where)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=where)
     collectives.broadcast(size, group=g, group_src=root)
     if g.rank != root:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=where)
     collectives.broadcast(payload, group=g, group_src=root)
     if g.rank != root:
-        received = _from_tensor(payload)
+        received = _from_tensor(payload.cpu())
         if len(received) != len(object_list):
             raise ValueError(
                 f"broadcast_object_list: this rank's list has {len(object_list)} slots but the "

@@ -16,6 +16,8 @@ class WorldState:
     store: tdist.Store
     groups: dict[str, ProcessGroup] = field(default_factory=dict)
     groups_created: int = 0
+    #: new_group(use_local_synchronization=True) counts per member set: only members call it.
+    local_groups_created: dict[tuple[int, ...], int] = field(default_factory=dict)
 
 
 _state: WorldState | None = None

@@ -149,3 +149,17 @@ def test_module_api_matches_torch_signatures():
             ours = [p for p in inspect.signature(getattr(spmd, name)).parameters if p not in extra.get(name, set())]
             theirs = [p for p in inspect.signature(getattr(tdist, name)).parameters if p not in private.get(name, set())]
             assert ours[: len(theirs)] == theirs, f"spmd.{name}{ours} vs torch.distributed.{name}{theirs}"
+
+
+def test_object_collectives_travel_on_the_groups_device(monkeypatch):
+    """CPU when the group has a CPU backend; else the current device of its device type, as torch does for NCCL."""
+    from types import SimpleNamespace
+
+    from spmd.comm.objects import transport_device
+
+    assert transport_device(SimpleNamespace(backend_map=None)) == torch.device("cpu")
+    assert transport_device(SimpleNamespace(backend_map={"cpu": "gloo", "cuda": "nccl"})) == torch.device("cpu")
+    assert transport_device(SimpleNamespace(backend_map={"cpu": "gloo"}), "meta") == torch.device("meta")
+    # No GPU here: stand in for torch.cuda's current_device() to check which device is chosen.
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: SimpleNamespace(current_device=lambda: 3))
+    assert transport_device(SimpleNamespace(backend_map={"cuda": "nccl"})) == torch.device("cuda", 3)

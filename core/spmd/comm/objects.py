@@ -28,9 +28,20 @@ def _from_tensor(data: torch.Tensor) -> Any:
     return pickle.loads(data.numpy().tobytes())
 
 
-def _gather_sizes(g: ProcessGroup, size: int) -> list[int]:
-    local = torch.tensor([size], dtype=torch.int64)
-    sizes = torch.empty(g.size, dtype=torch.int64)
+def transport_device(g: ProcessGroup, device: torch.device | str | None = None) -> torch.device:
+    """Where the pickled bytes travel: ``device`` if given; the CPU if the group has a CPU backend;
+    else, as torch does for NCCL, the current device of the group's first device type."""
+    if device is not None:
+        return torch.device(device)
+    if g.backend_map is None or "cpu" in g.backend_map:
+        return torch.device("cpu")
+    kind = next(iter(g.backend_map))
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _gather_sizes(g: ProcessGroup, size: int, where: torch.device) -> list[int]:
+    local = torch.tensor([size], dtype=torch.int64, device=where)
+    sizes = torch.empty(g.size, dtype=torch.int64, device=where)
     collectives.all_gather_into_tensor(sizes, local, group=g)
     return sizes.tolist()
 
@@ -40,14 +51,15 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
     g = resolve_group(group)
     if len(object_list) != g.size:
         raise ValueError(f"all_gather_object: object_list has {len(object_list)} slots but the group has {g.size} ranks")
+    where = transport_device(g)
     payload = _to_tensor(obj)
-    sizes = _gather_sizes(g, payload.numel())
+    sizes = _gather_sizes(g, payload.numel(), where)
     longest = max(sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    gathered = torch.empty(longest * g.size, dtype=torch.uint8)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=where)
+    padded[: payload.numel()] = payload.to(where)
+    gathered = torch.empty(longest * g.size, dtype=torch.uint8, device=where)
     collectives.all_gather_into_tensor(gathered, padded, group=g)
-    for r, block in enumerate(gathered.view(g.size, longest)):
+    for r, block in enumerate(gathered.cpu().view(g.size, longest)):
         object_list[r] = _from_tensor(block[: sizes[r]])
 
 
@@ -60,12 +72,12 @@ def broadcast_object_list(
 ) -> None:
     """Every rank's ``object_list`` becomes ``src``'s (lists must have equal length).
 
-    ``device``, as in torch, is where the pickled bytes travel (e.g. "cuda" for a
-    group whose only backend is NCCL); by default the CPU.
+    ``device``, as in torch, is where the pickled bytes travel; by default
+    ``transport_device`` picks it from the group's backends.
     """
     g = resolve_group(group)
     root = resolve_root(g, 0 if src is None and group_src is None else src, group_src, "src", "broadcast_object_list")
-    where = torch.device("cpu" if device is None else device)
+    where = transport_device(g, device)
     payload = _to_tensor(list(object_list)).to(where) if g.rank == root else torch.empty(0, dtype=torch.uint8, device=where)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=where)
     collectives.broadcast(size, group=g, group_src=root)
@@ -88,16 +100,17 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
     root = resolve_root(g, 0 if dst is None and group_dst is None else dst, group_dst, "dst", "gather_object")
     if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
         raise ValueError(f"gather_object: the destination must pass object_gather_list with {g.size} slots")
+    where = transport_device(g)
     payload = _to_tensor(obj)
-    sizes = _gather_sizes(g, payload.numel())
+    sizes = _gather_sizes(g, payload.numel(), where)
     longest = max(sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: payload.numel()] = payload
-    slots = [torch.empty(longest, dtype=torch.uint8) for _ in range(g.size)] if g.rank == root else None
+    padded = torch.zeros(longest, dtype=torch.uint8, device=where)
+    padded[: payload.numel()] = payload.to(where)
+    slots = [torch.empty(longest, dtype=torch.uint8, device=where) for _ in range(g.size)] if g.rank == root else None
     collectives.gather(padded, slots, group=g, group_dst=root)
     if slots is not None and object_gather_list is not None:
         for r, block in enumerate(slots):
-            object_gather_list[r] = _from_tensor(block[: sizes[r]])
+            object_gather_list[r] = _from_tensor(block[: sizes[r]].cpu())
 
 
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None, src: int | None = None, group: ProcessGroup | None = None, group_src: int | None = None) -> None:
@@ -111,14 +124,16 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
         if scatter_object_input_list is None or len(scatter_object_input_list) != g.size:
             raise ValueError(f"scatter_object_list: the source must pass {g.size} objects, one per rank")
         payloads = [_to_tensor(o) for o in scatter_object_input_list]
-    sizes = torch.tensor([p.numel() for p in payloads] if payloads else [0] * g.size, dtype=torch.int64)
+    where = transport_device(g)
+    sizes = torch.tensor([p.numel() for p in payloads] if payloads else [0] * g.size, dtype=torch.int64, device=where)
     collectives.broadcast(sizes, group=g, group_src=root)
-    longest = int(sizes.max().item())
+    counts = sizes.tolist()
+    longest = max(counts)
     padded = None
     if payloads is not None:
-        padded = [torch.zeros(longest, dtype=torch.uint8) for _ in payloads]
+        padded = [torch.zeros(longest, dtype=torch.uint8, device=where) for _ in payloads]
         for slot, p in zip(padded, payloads):
-            slot[: p.numel()] = p
-    mine = torch.empty(longest, dtype=torch.uint8)
+            slot[: p.numel()] = p.to(where)
+    mine = torch.empty(longest, dtype=torch.uint8, device=where)
     collectives.scatter(mine, padded, group=g, group_src=root)
-    scatter_object_output_list[0] = _from_tensor(mine[: int(sizes[g.rank].item())])
+    scatter_object_output_list[0] = _from_tensor(mine[: counts[g.rank]].cpu())

@@ -121,3 +121,39 @@ def barrier_with_timeout(timeout: float) -> str:
     store.wait(["barrier_test/rank0_done"])  # no fixed sleep: rank 1 joins once rank 0 has timed out
     spmd.barrier()
     return "joined"
+
+
+def subgroups_objects_monitored() -> dict:
+    """new_subgroups, new_subgroups_by_enumeration, send/recv_object_list and a clean monitored_barrier on 4 ranks."""
+    rank = spmd.get_rank()
+    mine, _ = spmd.new_subgroups(group_size=2)
+    t = torch.tensor([float(rank + 1)])
+    spmd.all_reduce(t, group=mine)
+    listed, every = spmd.new_subgroups_by_enumeration([[0, 3], [1]])
+    sender = None
+    received: list = [None, None]
+    if rank == 0:
+        spmd.send_object_list([{"step": 7}, "adam"], dst=3)
+    elif rank == 3:
+        sender = spmd.recv_object_list(received, src=0)
+    spmd.monitored_barrier(timeout=30)
+    return {"sub_ranks": spmd.get_process_group_ranks(mine), "sub_sum": t.item(), "listed": None if listed is None else spmd.get_process_group_ranks(listed),
+            "count": len(every), "sender": sender, "received": received}
+
+
+def monitored_barrier_names_the_missing_rank(timeout: float) -> str:
+    """Rank 1 stays away: rank 0's monitored_barrier names it (the group is unusable afterwards, as in torch)."""
+    from spmd.comm.state import get_state
+
+    store = get_state().store
+    spmd.barrier()  # the backend exists before rank 0 waits alone
+    if spmd.get_rank() == 0:
+        try:
+            spmd.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+            outcome = "no error"
+        except spmd.CollectiveTimeoutError as error:
+            outcome = str(error)
+        store.set("monitored_test/rank0_done", "1")
+        return outcome
+    store.wait(["monitored_test/rank0_done"])  # no fixed sleep: away until rank 0 has given up
+    return "stayed away"

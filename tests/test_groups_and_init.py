@@ -163,3 +163,28 @@ def test_object_collectives_travel_on_the_groups_device(monkeypatch):
     # No GPU here: stand in for torch.cuda's current_device() to check which device is chosen.
     monkeypatch.setattr(torch, "get_device_module", lambda kind: SimpleNamespace(current_device=lambda: 3))
     assert transport_device(SimpleNamespace(backend_map={"cuda": "nccl"})) == torch.device("cuda", 3)
+
+
+def test_subgroups_object_p2p_and_monitored_barrier(spmd_world):
+    results = spmd_world(4, "gloo").run(helpers.subgroups_objects_monitored)
+    assert [r["sub_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["sub_sum"] for r in results] == [3.0, 3.0, 7.0, 7.0]
+    assert [r["listed"] for r in results] == [[0, 3], [1], None, [0, 3]]
+    assert all(r["count"] == 2 for r in results)
+    assert results[3]["sender"] == 0 and results[3]["received"] == [{"step": 7}, "adam"]
+
+
+def test_monitored_barrier_names_the_rank_that_never_arrived(spmd_world):
+    rank0, rank1 = spmd_world(2, "gloo").run(helpers.monitored_barrier_names_the_missing_rank, 0.5)
+    assert "monitored_barrier on group 'world': rank 1 did not reach it within 0.5 s" in rank0
+    assert rank1 == "stayed away"
+
+
+def test_environment_queries(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert spmd.get_node_local_rank(fallback_rank=3) == 3
+    with pytest.raises(RuntimeError, match="LOCAL_RANK is not set"):
+        spmd.get_node_local_rank()
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert spmd.get_node_local_rank() == 1
+    assert spmd.is_available() and spmd.is_backend_available("gloo") and not spmd.is_backend_available("no-such")

@@ -33,23 +33,30 @@ from spmd.comm.init import (
     get_backend,
     get_global_rank,
     get_group_rank,
+    get_node_local_rank,
     get_process_group_ranks,
     get_rank,
     get_world_size,
     init,
     init_process_group,
+    is_available,
+    is_backend_available,
     new_group,
     split_group,
 )
+from spmd.comm.monitored import monitored_barrier
 from spmd.comm.objects import (
     all_gather_object,
     broadcast_object_list,
     gather_object,
+    recv_object_list,
     scatter_object_list,
+    send_object_list,
 )
 from spmd.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.state import GroupMember, is_initialized
+from spmd.comm.subgroups import new_subgroups, new_subgroups_by_enumeration
 from spmd.comm.work import Work
 from spmd.errors import (
     BackendNotFoundError,
@@ -82,8 +89,8 @@ __all__ = [
     "Work",
     "all_gather",
     "all_gather_into_tensor",
-    "all_gather_single",
     "all_gather_object",
+    "all_gather_single",
     "all_reduce",
     "all_to_all",
     "all_to_all_single",
@@ -97,6 +104,7 @@ __all__ = [
     "get_backend",
     "get_global_rank",
     "get_group_rank",
+    "get_node_local_rank",
     "get_process_group_ranks",
     "get_rank",
     "get_world_size",
@@ -105,11 +113,17 @@ __all__ = [
     "init",
     "init_process_group",
     "irecv",
+    "is_available",
+    "is_backend_available",
     "is_initialized",
     "isend",
+    "monitored_barrier",
     "new_group",
+    "new_subgroups",
+    "new_subgroups_by_enumeration",
     "parallel",
     "recv",
+    "recv_object_list",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_single",
@@ -117,5 +131,6 @@ __all__ = [
     "scatter",
     "scatter_object_list",
     "send",
+    "send_object_list",
     "split_group",
 ]

@@ -200,6 +200,28 @@ def get_rank(group: ProcessGroup | None = None) -> int:
     return state.resolve_group(group).rank
 
 
+def get_node_local_rank(fallback_rank: int | None = None) -> int:
+    """This process's rank on its node (LOCAL_RANK, set by ``spmd run`` and torchrun), else ``fallback_rank``."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    if fallback_rank is not None:
+        return int(fallback_rank)
+    raise RuntimeError(
+        "LOCAL_RANK is not set: launch with `spmd run` (or torchrun), or pass fallback_rank= for a single-process run"
+    )
+
+
+def is_available() -> bool:
+    """Always True: spmd's kernel has no build-time switch (torch.distributed's ``is_available``)."""
+    return True
+
+
+def is_backend_available(backend: str) -> bool:
+    """Whether a backend called ``backend`` is installed and its native library usable here."""
+    entry = {e.spec.name: e for e in backends().entries()}.get(backend)
+    return entry is not None and entry.spec.unavailable_reason() is None
+
+
 def get_world_size(group: ProcessGroup | None = None) -> int:
     """The number of ranks in ``group`` (the world by default)."""
     return state.resolve_group(group).size

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from spmd.comm import collectives
+from spmd.comm import collectives, p2p
 from spmd.comm.checks import resolve_root
 from spmd.comm.group import ProcessGroup
 from spmd.comm.state import resolve_group
@@ -137,3 +137,46 @@ def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_in
     mine = torch.empty(longest, dtype=torch.uint8, device=where)
     collectives.scatter(mine, padded, group=g, group_src=root)
     scatter_object_output_list[0] = _from_tensor(mine[: counts[g.rank]].cpu())
+
+
+def send_object_list(
+    object_list: list[Any],
+    dst: int | None = None,
+    group: ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    group_dst: int | None = None,
+    use_batch: bool = False,
+) -> None:
+    """Send ``object_list`` (pickled) to ``dst``, which calls ``recv_object_list``; ``use_batch`` is accepted for torch's signature."""
+    g = resolve_group(group)
+    peer = resolve_root(g, dst, group_dst, "dst", "send_object_list")
+    where = transport_device(g, device)
+    payload = _to_tensor(list(object_list)).to(where)
+    p2p.send(torch.tensor([payload.numel()], dtype=torch.int64, device=where), group=g, group_dst=peer)
+    p2p.send(payload, group=g, group_dst=peer)
+
+
+def recv_object_list(
+    object_list: list[Any],
+    src: int | None = None,
+    group: ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    group_src: int | None = None,
+    use_batch: bool = False,
+) -> int:
+    """Fill ``object_list`` with what ``src`` sent by ``send_object_list``; returns the sender's global rank."""
+    g = resolve_group(group)
+    peer = resolve_root(g, src, group_src, "src", "recv_object_list")
+    where = transport_device(g, device)
+    size = torch.empty(1, dtype=torch.int64, device=where)
+    p2p.recv(size, group=g, group_src=peer)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=where)
+    p2p.recv(payload, group=g, group_src=peer)
+    received = _from_tensor(payload.cpu())
+    if len(received) != len(object_list):
+        raise ValueError(
+            f"recv_object_list: this rank's list has {len(object_list)} slots but rank {g.ranks[peer]} sent "
+            f"{len(received)}; give both sides lists of the same length"
+        )
+    object_list[:] = received
+    return g.ranks[peer]

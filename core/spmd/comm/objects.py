@@ -147,7 +147,11 @@ def send_object_list(
     group_dst: int | None = None,
     use_batch: bool = False,
 ) -> None:
-    """Send ``object_list`` (pickled) to ``dst``, which calls ``recv_object_list``; ``use_batch`` is accepted for torch's signature."""
+    """Send ``object_list`` (pickled) to ``dst``, which calls ``recv_object_list``.
+
+    ``use_batch`` is taken for torch's signature: in torch it only changes how
+    NCCL sets up its communicators, and the objects arrive the same either way.
+    """
     g = resolve_group(group)
     peer = resolve_root(g, dst, group_dst, "dst", "send_object_list")
     where = transport_device(g, device)

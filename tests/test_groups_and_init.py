@@ -126,7 +126,11 @@ def test_new_group_order_and_local_synchronization(spmd_world):
 
 
 def test_barrier_timeout_argument(spmd_world):
-    rank0, rank1 = spmd_world(2, "gloo").run(helpers.barrier_with_timeout, 0.5)
+    world = spmd_world(2, "gloo")
+    try:
+        rank0, rank1 = world.run(helpers.barrier_with_timeout, 0.5)
+    finally:
+        world.kill()  # a timed-out wait leaves Gloo state behind: later tests get a fresh world
     elapsed, message = rank0.split("|", 1)
     assert float(elapsed) < 5.0, "barrier(timeout=0.5) waited for the group timeout instead"
     assert "barrier" in message and rank1 == "joined"
@@ -175,7 +179,11 @@ def test_subgroups_object_p2p_and_monitored_barrier(spmd_world):
 
 
 def test_monitored_barrier_names_the_rank_that_never_arrived(spmd_world):
-    rank0, rank1 = spmd_world(2, "gloo").run(helpers.monitored_barrier_names_the_missing_rank, 0.5)
+    world = spmd_world(2, "gloo")
+    try:
+        rank0, rank1 = world.run(helpers.monitored_barrier_names_the_missing_rank, 0.5)
+    finally:
+        world.kill()  # the failed barrier closed a Gloo connection: later tests get a fresh world
     assert "monitored_barrier on group 'world': rank 1 did not reach it within 0.5 s" in rank0
     assert rank1 == "stayed away"
 

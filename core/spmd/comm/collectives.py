@@ -26,6 +26,7 @@ from spmd.comm.group import ProcessGroup
 from spmd.comm.lifecycle import begin, complete
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.staging import (
+    AVG,
     Contiguous,
     average,
     native_op,
@@ -37,15 +38,13 @@ from spmd.comm.staging import (
 from spmd.comm.state import resolve_group
 from spmd.comm.work import Work, seconds
 
-_AVG = ReduceOp.AVG  # a module constant: reading an Enum member off its class costs ~100 ns
-
 
 # -- reductions ----------------------------------------------------------------------
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across every rank of ``group``, in place, so all ranks hold the result."""
     g, backend = route(group, tensor, "tensor", "all_reduce", op)
     call = begin(g, "all_reduce", (tensor,), op, None)
-    if tensor.is_contiguous() and (op is not _AVG or backend.supports_avg):
+    if tensor.is_contiguous() and (op is not AVG or backend.supports_avg):
         return complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op)  # nothing to stage
     native = native_op(backend, op)
     staged = Contiguous(tensor)
@@ -343,14 +342,7 @@ def barrier(
     device = "cpu" if g.backend_map is None or "cpu" in g.backend_map else next(iter(g.backend_map))
     backend = g.backend(device)
     call = begin(g, "barrier", (), None, None)
-    work = complete(backend.barrier(), g, "barrier", call, True)
-    assert work is not None
-    if timeout is not None:
-        work.default_timeout = seconds(timeout)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return complete(backend.barrier(), g, "barrier", call, async_op, timeout=seconds(timeout))
 
 
 #: torch 2.13's names for the tensor forms (it deprecates all_gather_into_tensor and reduce_scatter_tensor).

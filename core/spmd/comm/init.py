@@ -122,9 +122,7 @@ def init_process_group(
     """
     if state.is_initialized():
         raise SpmdError("spmd is already initialised; call spmd.destroy_process_group() before init again")
-    if isinstance(timeout, (int, float)):
-        timeout = timedelta(seconds=timeout)
-    timeout = timeout or _default_timeout()
+    timeout = _as_timedelta(timeout) or _default_timeout()
     backend_map = parse_backend_string(backend)
     if backend_map is not None:
         for name in set(backend_map.values()):
@@ -218,8 +216,8 @@ def is_available() -> bool:
 
 def is_backend_available(backend: str) -> bool:
     """Whether a backend called ``backend`` is installed and its native library usable here."""
-    entry = {e.spec.name: e for e in backends().entries()}.get(backend)
-    return entry is not None and entry.spec.unavailable_reason() is None
+    registry = backends()
+    return backend in registry.names() and registry.get(backend).spec.unavailable_reason() is None
 
 
 def get_world_size(group: ProcessGroup | None = None) -> int:

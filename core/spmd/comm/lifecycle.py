@@ -50,15 +50,16 @@ def complete(
     call: Call,
     async_op: bool,
     after: Callable[[], None] | None = None,
+    timeout: float | None = None,
 ) -> Work | None:
-    """Record the submitted op, attach timeout, group and entry to ``work``; wait for it unless ``async_op``.
+    """Record the submitted op, attach its timeout (the group's unless ``timeout``), group and entry to ``work``; wait unless ``async_op``.
 
     The hot path of every op: a few attribute stores, no closures. The
     description and the diagnosis of a failure are derived from the group and
     the entry only when an error needs them (``Work.description``, ``Work._explain``).
     """
     entry = call if isinstance(call, Entry) else recorder.start(group.name, group.next_seq(), *call)
-    work.default_timeout = group.timeout_s
+    work.default_timeout = group.timeout_s if timeout is None else timeout
     work._entry = entry
     work._group = group
     if work._is_done:  # finished before it had an entry to finish (Work.completed(), a fast worker thread)

@@ -15,7 +15,7 @@ from spmd.comm.buffers import BufferPool
 from spmd.comm.reduce_op import ReduceOp
 
 pool = BufferPool()
-_AVG = ReduceOp.AVG  # a module constant: reading an Enum member off its class costs ~100 ns
+AVG = ReduceOp.AVG  # a module constant: reading an Enum member off its class costs ~100 ns
 
 
 class Contiguous:
@@ -77,7 +77,7 @@ def average(tensor: torch.Tensor, size: int) -> Callable[[], None]:
 
 def native_op(backend: Backend, op: ReduceOp) -> ReduceOp:
     """AVG becomes SUM for backends that cannot average (the kernel divides afterwards)."""
-    if op is _AVG and not backend.supports_avg:
+    if op is AVG and not backend.supports_avg:
         return ReduceOp.SUM
     return op
 

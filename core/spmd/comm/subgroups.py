@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -26,8 +27,6 @@ def new_subgroups(
     """
     parent = state.resolve_group(group)
     if group_size is None:
-        import os
-
         group_size = int(os.environ.get("LOCAL_WORLD_SIZE", parent.size))
     if group_size <= 0 or parent.size % group_size:
         raise ValueError(

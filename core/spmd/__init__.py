@@ -68,6 +68,8 @@ from spmd.errors import (
     SpmdError,
 )
 from spmd.markers import hookimpl, hookspec
+from spmd.mesh import DeviceMesh, init_device_mesh
+from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 __version__ = "0.1.0"
 
@@ -79,12 +81,18 @@ __all__ = [
     "BackendUnavailableError",
     "CollectiveError",
     "CollectiveTimeoutError",
+    "DTensor",
+    "DeviceMesh",
     "GroupMember",
     "NotInitializedError",
     "P2POp",
+    "Partial",
+    "Placement",
     "PluginConflictError",
     "ProcessGroup",
     "ReduceOp",
+    "Replicate",
+    "Shard",
     "SpmdError",
     "Work",
     "all_gather",
@@ -99,6 +107,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "destroy_process_group",
+    "distribute_tensor",
     "gather",
     "gather_object",
     "get_backend",
@@ -111,6 +120,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "init",
+    "init_device_mesh",
     "init_process_group",
     "irecv",
     "is_available",

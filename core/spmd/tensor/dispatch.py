@@ -1,0 +1,330 @@
+"""The DTensor dispatcher: rule lookup, a propagation cache, input redistribution, local compute, wrapping.
+
+For each op call: build a key from the op, the mesh and each argument's
+placements/shape/dtype (or value); on a cache miss run the op on meta tensors
+for the global output shapes, ask the op's rule (once per mesh dimension), and
+store the plan. Then redistribute the inputs the plan names, run the op on the
+local shards and wrap the outputs. An op without a rule falls back to
+gather, compute, reshard, with a warning naming the op once per process.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spmd.errors import SpmdError
+from spmd.mesh import DeviceMesh
+from spmd.tensor import debug, registry
+from spmd.tensor.dtensor import DTensor
+from spmd.tensor.placements import Partial, Placement, Replicate
+from spmd.tensor.redistribute import redistribute_local
+from spmd.tensor.rule import Decompose, LocalInfo, OpCall, Sharding, TensorArg, TensorMeta
+from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
+
+_NO_META = object()
+
+
+class ShardingRuleError(SpmdError):
+    """A sharding rule returned something the dispatcher cannot use."""
+
+
+@dataclass
+class Plan:
+    """What to do for one call signature: input targets, output specs, local argument rewrite."""
+
+    targets: tuple[tuple[Placement, ...], ...]  # per DTensor input
+    out_specs: tuple[DTensorSpec, ...]  # per tensor output
+    rewrite: Any
+    info: LocalInfo | None
+    mutated: tuple[int, ...]  # DTensor-input indices the op writes to
+    returns_self: bool  # an in-place op: return the mutated DTensor itself
+    fallback: bool = False
+
+
+_cache: dict[Any, Plan] = {}
+_warned: set[str] = set()
+
+
+# -- flattening (one level of lists is all aten schemas use) ------------------------------------------
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], list[Any]]:
+    flat: list[Any] = []
+    layout: list[Any] = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            layout.append(len(a))
+            flat.extend(a)
+        else:
+            layout.append(None)
+            flat.append(a)
+    for name, a in kwargs.items():
+        if isinstance(a, (list, tuple)):
+            layout.append((name, len(a)))
+            flat.extend(a)
+        else:
+            layout.append((name, None))
+            flat.append(a)
+    return flat, layout
+
+
+def _unflatten(flat: list[Any], layout: list[Any]) -> tuple[tuple, dict]:
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    i = 0
+    for entry in layout:
+        if isinstance(entry, tuple):
+            name, n = entry
+            if n is None:
+                kwargs[name] = flat[i]
+                i += 1
+            else:
+                kwargs[name] = list(flat[i : i + n])
+                i += n
+        elif entry is None:
+            args.append(flat[i])
+            i += 1
+        else:
+            args.append(list(flat[i : i + entry]))
+            i += entry
+    return tuple(args), kwargs
+
+
+# -- dispatch -----------------------------------------------------------------------------------------
+
+
+def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``)."""
+    rule = registry.lookup(func)
+    if type(rule) is Decompose:
+        return rule.fn(*args, **kwargs)
+    flat, layout = _flatten(args, kwargs)
+    key: list[Any] = [func, tuple(layout)]
+    positions: list[int] = []
+    mesh: DeviceMesh | None = None
+    for i, x in enumerate(flat):
+        if isinstance(x, DTensor):
+            positions.append(i)
+            spec = x._spec
+            if mesh is None:
+                mesh = spec.mesh
+            elif spec.mesh is not mesh and spec.mesh != mesh:
+                raise ValueError(f"{func}: DTensor arguments live on different meshes ({mesh} and {spec.mesh}); redistribute onto one mesh first")
+            key.append(spec.key)
+        elif isinstance(x, torch.Tensor):
+            if x.ndim != 0:
+                raise TypeError(
+                    f"{func}: got a plain torch.Tensor of shape {tuple(x.shape)} beside DTensors; convert it with "
+                    "spmd.distribute_tensor(t, mesh, [Replicate()]) or DTensor.from_local first (only 0-dim "
+                    "tensors are taken as replicated)"
+                )
+            key.append((x.dtype, x.device.type))
+        else:
+            key.append(x)
+    assert mesh is not None
+    key.append(mesh)
+    try:
+        hashed_key: Any = tuple(key)
+        plan = _cache.get(hashed_key)
+    except TypeError:  # an unhashable argument: propagate without caching
+        hashed_key, plan = None, None
+    if plan is None:
+        plan = _propagate(func, rule, flat, layout, positions, mesh)
+        if hashed_key is not None and plan is not None:
+            _cache[hashed_key] = plan
+    if plan is None:  # no meta kernel: compute on the full tensors
+        return _run_unplanned(func, flat, layout, positions, mesh)
+    return _execute(func, plan, flat, layout, positions)
+
+
+def _execute(func: Any, plan: Plan, flat: list[Any], layout: list[Any], positions: list[int]) -> Any:
+    local = list(flat)
+    debug.current_op.append(str(func))
+    try:
+        for target, pos in zip(plan.targets, positions):
+            dt = flat[pos]
+            if dt._spec.placements == target:
+                local[pos] = dt._local_tensor
+            else:
+                local[pos] = redistribute_local(dt._local_tensor, dt._spec, target)
+    finally:
+        debug.current_op.pop()
+    args, kwargs = _unflatten(local, layout)
+    if plan.rewrite is not None:
+        args, kwargs = plan.rewrite(args, kwargs, plan.info)
+    original = [flat[p]._spec for p in positions] if plan.fallback else []
+    out = func(*args, **kwargs)
+    for index in plan.mutated:
+        pos = positions[index]
+        dt = flat[pos]
+        if dt._local_tensor is not local[pos]:  # the rule moved the mutated input: it now holds the new shard
+            dt._local_tensor = local[pos]
+            dt._spec = dt._spec.with_placements(plan.targets[index])
+    if plan.fallback:
+        return _reshard_fallback(plan, out, flat, positions, original)
+    if plan.returns_self:
+        return flat[positions[plan.mutated[0]]]
+    return _wrap(out, plan.out_specs)
+
+
+def _wrap(out: Any, specs: tuple[DTensorSpec, ...]) -> Any:
+    if isinstance(out, torch.Tensor):
+        return DTensor(out, specs[0])
+    if isinstance(out, (tuple, list)):
+        it = iter(specs)
+        wrapped = [DTensor(o, next(it)) if isinstance(o, torch.Tensor) else o for o in out]
+        return type(out)(wrapped) if isinstance(out, tuple) else wrapped
+    return out
+
+
+# -- propagation --------------------------------------------------------------------------------------
+
+
+def _meta_outputs(func: Any, flat: list[Any], layout: list[Any]) -> Any:
+    meta = []
+    for x in flat:
+        if isinstance(x, DTensor):
+            s = x._spec
+            meta.append(torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta"))
+        elif isinstance(x, torch.Tensor):
+            meta.append(x.to("meta"))
+        else:
+            meta.append(x)
+    args, kwargs = _unflatten(meta, layout)
+    try:
+        return func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - no meta kernel, or a data-dependent shape
+        return _NO_META
+
+
+def _tensor_leaves(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [o for o in out if isinstance(o, torch.Tensor)]
+    return []
+
+
+def _mutated_inputs(func: Any, flat: list[Any], layout: list[Any], positions: list[int]) -> tuple[tuple[int, ...], bool]:
+    """DTensor-input indices the op writes to, and whether it returns its first (mutated) argument."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return (), False
+    written = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    flat_index = 0
+    mutated = []
+    names = [a.name for a in schema.arguments]
+    for slot, entry in enumerate(layout):
+        name = entry[0] if isinstance(entry, tuple) else names[slot]
+        count = (entry[1] if isinstance(entry, tuple) else entry) or 1
+        if name in written:
+            for k in range(flat_index, flat_index + count):
+                if k in positions:
+                    mutated.append(positions.index(k))
+        flat_index += count
+    returns_self = bool(mutated) and len(schema.returns) == 1 and schema.returns[0].alias_info is not None
+    return tuple(mutated), returns_self
+
+
+def _propagate(func: Any, rule: Any, flat: list[Any], layout: list[Any], positions: list[int], mesh: DeviceMesh) -> Plan | None:
+    meta_out = _meta_outputs(func, flat, layout)
+    if meta_out is _NO_META:
+        return None
+    leaves = _tensor_leaves(meta_out)
+    outputs = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in leaves)
+    mutated, returns_self = _mutated_inputs(func, flat, layout, positions)
+    specs = [flat[p]._spec for p in positions]
+    if rule is None:
+        _warn_fallback(func)
+        targets = tuple(tuple(Replicate() for _ in range(mesh.ndim)) for _ in positions)
+        out_specs = tuple(
+            DTensorSpec(mesh, targets[0] if targets else (Replicate(),) * mesh.ndim, tuple(t.shape), tuple(t.stride()), t.dtype)
+            for t in leaves
+        )
+        return Plan(targets, out_specs, None, None, mutated, returns_self, fallback=True)
+    per_dim: list[Sharding] = []
+    for mesh_dim in range(mesh.ndim):
+        inputs = tuple(TensorArg(s.shape, s.dtype, s.placements[mesh_dim], s.placements) for s in specs)
+        rule_flat = list(flat)
+        for p, arg in zip(positions, inputs):
+            rule_flat[p] = arg
+        args, kwargs = _unflatten(rule_flat, layout)
+        call = OpCall(func, args, kwargs, inputs, outputs, mesh_dim, mesh.size(mesh_dim))
+        sharding = rule(call)
+        if len(sharding.inputs) != len(inputs) or len(sharding.outputs) != len(outputs):
+            raise ShardingRuleError(
+                f"the sharding rule for {func} (plugin {registry.owner(func)!r}) returned {len(sharding.inputs)} input "
+                f"and {len(sharding.outputs)} output placements; the call has {len(inputs)} DTensor inputs and "
+                f"{len(outputs)} tensor outputs"
+            )
+        per_dim.append(sharding)
+    targets = tuple(tuple(per_dim[d].inputs[i] for d in range(mesh.ndim)) for i in range(len(positions)))
+    out_placements = [tuple(per_dim[d].outputs[k] for d in range(mesh.ndim)) for k in range(len(outputs))]
+    out_specs = tuple(DTensorSpec(mesh, pl, tuple(t.shape), tuple(t.stride()), t.dtype) for pl, t in zip(out_placements, leaves))
+    rewrite = next((s.rewrite for s in per_dim if s.rewrite is not None), None)
+    info = None
+    if rewrite is not None:
+        info = LocalInfo(
+            tuple(local_shape_and_offset(s.shape, mesh, s.placements)[0] for s in out_specs),
+            tuple(local_shape_and_offset(spec.shape, mesh, t)[0] for spec, t in zip(specs, targets)),
+        )
+    return Plan(targets, out_specs, rewrite, info, mutated, returns_self)
+
+
+# -- the fallback: gather, compute, reshard ------------------------------------------------------------
+
+
+def _warn_fallback(func: Any) -> None:
+    name = str(func)
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"spmd DTensor: no sharding rule for {name}; falling back to gather, compute on the full tensors, "
+            "reshard (correct but slow). A plugin can provide a rule through the spmd_sharding_rules hook",
+            stacklevel=4,
+        )
+
+
+def _reshard_fallback(plan: Plan, out: Any, flat: list[Any], positions: list[int], original: list[DTensorSpec]) -> Any:
+    """Give fallback outputs (computed replicated) the first input's placements when the shapes allow."""
+    first = original[0] if original else None
+    for index in plan.mutated:  # an in-place op: the mutated DTensor goes back to its placements
+        dt = flat[positions[index]]
+        placements = original[index].placements
+        if not any(isinstance(p, Partial) for p in placements):
+            dt._local_tensor = redistribute_local(dt._local_tensor, dt._spec, placements)
+            dt._spec = dt._spec.with_placements(placements)
+    if plan.returns_self:
+        return flat[positions[plan.mutated[0]]]
+    wrapped = _wrap(out, plan.out_specs)
+    if first is None or any(isinstance(p, Partial) for p in first.placements):
+        return wrapped
+    results = wrapped if isinstance(wrapped, (tuple, list)) else [wrapped]
+    resharded = []
+    for r in results:
+        if isinstance(r, DTensor) and r._spec.shape == first.shape:
+            local = redistribute_local(r._local_tensor, r._spec, first.placements)
+            r = DTensor(local, r._spec.with_placements(first.placements))
+        resharded.append(r)
+    if isinstance(wrapped, tuple):
+        return tuple(resharded)
+    return resharded if isinstance(wrapped, list) else resharded[0]
+
+
+def _run_unplanned(func: Any, flat: list[Any], layout: list[Any], positions: list[int], mesh: DeviceMesh) -> Any:
+    """An op whose output shape cannot be known ahead (no meta kernel): compute replicated, no cache."""
+    _warn_fallback(func)
+    replicate = tuple(Replicate() for _ in range(mesh.ndim))
+    local = list(flat)
+    for pos in positions:
+        dt = flat[pos]
+        local[pos] = redistribute_local(dt._local_tensor, dt._spec, replicate)
+    args, kwargs = _unflatten(local, layout)
+    out = func(*args, **kwargs)
+    leaves = _tensor_leaves(out)
+    specs = tuple(DTensorSpec(mesh, replicate, tuple(t.shape), tuple(t.stride()), t.dtype) for t in leaves)
+    return _wrap(out, specs)

@@ -1,0 +1,141 @@
+"""Redistribution: move a local shard from one list of placements to another, one mesh dimension at a time.
+
+The plan has three phases, so that nested sharding (one tensor dimension
+sharded over several mesh dimensions) stays right when several dimensions
+change at once:
+
+1. undo shards, innermost mesh dimension first (all-gather; Shard(i)->Shard(j)
+   is an all-to-all when no other mesh dimension shards i or j);
+2. resolve partial sums (all-reduce, or reduce-scatter straight into a Shard);
+3. apply new shards and partials, outermost first (local slices, no communication).
+
+Plans are cached per (source spec, target placements).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from spmd.tensor import comm
+from spmd.tensor.placements import Partial, Placement, Replicate, Shard, chunk_offset, chunk_sizes
+from spmd.tensor.spec import DTensorSpec, size_before
+
+#: A step: (mesh dimension, from, to).
+Step = tuple[int, Placement, Placement]
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[Step, ...]:
+    """The ordered transitions that take placements ``src`` to ``dst``."""
+    n = len(src)
+    cur = list(src)
+    unshard = [False] * n
+    for i in range(n):
+        c = cur[i]
+        if not isinstance(c, Shard):
+            continue
+        if c != dst[i]:
+            unshard[i] = True
+        for j in range(i):  # an outer change on the same tensor dim re-chunks this inner shard
+            if (unshard[j] and cur[j] == c) or (cur[j] != dst[j] and isinstance(dst[j], Shard) and dst[j].dim == c.dim):
+                unshard[i] = True
+    steps: list[Step] = []
+
+    def others_shard(i: int, *dims: int) -> bool:
+        return any(
+            j != i and isinstance(p, Shard) and p.dim in dims for j in range(n) for p in (cur[j], dst[j])
+        )
+
+    for i in reversed(range(n)):
+        if not unshard[i]:
+            continue
+        c, t = cur[i], dst[i]
+        assert isinstance(c, Shard)
+        if isinstance(t, Shard) and t != c and not others_shard(i, c.dim, t.dim):
+            steps.append((i, c, t))
+            cur[i] = t
+        else:
+            steps.append((i, c, Replicate()))
+            cur[i] = Replicate()
+    for i in range(n):
+        c, t = cur[i], dst[i]
+        if isinstance(c, Partial) and c != t:
+            if isinstance(t, Shard) and not others_shard(i, t.dim):
+                steps.append((i, c, t))
+                cur[i] = t
+            else:
+                steps.append((i, c, Replicate()))
+                cur[i] = Replicate()
+    for i in range(n):
+        c, t = cur[i], dst[i]
+        if c != t:
+            assert isinstance(c, Replicate), (src, dst, cur)
+            steps.append((i, c, t))
+            cur[i] = t
+    return tuple(steps)
+
+
+def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]) -> torch.Tensor:
+    """``local`` (this rank's shard under ``spec``) as this rank's shard under placements ``dst``."""
+    if spec.placements == dst:
+        return local
+    mesh = spec.mesh
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None, "redistribute on a rank outside the mesh"
+    placements = list(spec.placements)
+    for mesh_dim, src_p, dst_p in plan(spec.placements, dst):
+        group = mesh.get_group(mesh_dim)
+        n = group.size
+        me = coordinate[mesh_dim]
+        if isinstance(src_p, Shard):
+            size = size_before(spec.shape, mesh, tuple(placements), mesh_dim, src_p.dim)
+            sizes = chunk_sizes(size, n)
+            if isinstance(dst_p, Shard):
+                dst_size = size_before(spec.shape, mesh, tuple(placements), mesh_dim, dst_p.dim)
+                local = comm.all_to_all(local, src_p.dim, dst_p.dim, group, sizes, chunk_sizes(dst_size, n))
+            else:
+                local = comm.all_gather(local, src_p.dim, group, sizes)
+        elif isinstance(src_p, Partial):
+            if isinstance(dst_p, Shard):
+                size = size_before(spec.shape, mesh, tuple(placements), mesh_dim, dst_p.dim)
+                local = comm.reduce_scatter(local, dst_p.dim, group, src_p.op, chunk_sizes(size, n))
+            else:
+                local = comm.all_reduce(local, group, src_p.op)
+        elif isinstance(dst_p, Shard):
+            size = local.size(dst_p.dim)
+            local = local.narrow(dst_p.dim, chunk_offset(size, n, me), chunk_sizes(size, n)[me])
+        elif isinstance(dst_p, Partial):
+            if dst_p.reduce_op == "sum" and me != 0:
+                local = torch.zeros_like(local)
+        placements[mesh_dim] = dst_p
+    return local
+
+
+class Redistribute(torch.autograd.Function):
+    """Differentiable redistribution: the backward moves the gradient back to the source placements.
+
+    A Partial source gets a Replicate gradient (the whole gradient of a sum is
+    the gradient of each summand), so gradients are never divided by N.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, input: Any, placements: tuple[Placement, ...]) -> Any:  # noqa: A002
+        from spmd.tensor.dtensor import DTensor
+
+        spec = input._spec
+        ctx.src = spec
+        local = redistribute_local(input._local_tensor, spec, placements)
+        return DTensor(local, spec.with_placements(placements), requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        from spmd.tensor.dtensor import DTensor
+
+        src: DTensorSpec = ctx.src
+        target = tuple(Replicate() if isinstance(p, Partial) else p for p in src.placements)
+        if not isinstance(grad, DTensor):
+            return grad, None
+        return Redistribute.apply(grad, target), None

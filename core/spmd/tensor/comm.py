@@ -38,7 +38,6 @@ def all_gather(local: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[i
 
 def reduce_scatter(full: torch.Tensor, dim: int, group: ProcessGroup, op: ReduceOp, sizes: list[int]) -> torch.Tensor:
     """Reduce ``full`` over the group and keep this rank's ``torch.chunk`` piece along ``dim``."""
-    n = group.size
     step = max(sizes)
     debug.record("reduce_scatter", full.numel() * full.element_size(), group)
     if dim == 0 and all(s == step for s in sizes):
@@ -72,19 +71,27 @@ def all_reduce(local: torch.Tensor, group: ProcessGroup, op: ReduceOp) -> torch.
 def all_to_all(
     local: torch.Tensor, src_dim: int, dst_dim: int, group: ProcessGroup, src_sizes: list[int], dst_sizes: list[int]
 ) -> torch.Tensor:
-    """Shard(src_dim) -> Shard(dst_dim): send piece k of ``dst_dim`` to rank k, gather pieces along ``src_dim``."""
-    me = group.rank
-    inputs = list(torch.split(local, dst_sizes, dst_dim))
-    inputs = [t.contiguous() for t in inputs]
-    outputs = []
-    for k in range(group.size):
-        shape = list(local.shape)
-        shape[src_dim] = src_sizes[k]
-        shape[dst_dim] = dst_sizes[me]
-        outputs.append(local.new_empty(shape))
-    debug.record("all_to_all", local.numel() * local.element_size(), group)
-    collectives.all_to_all(outputs, inputs, group=group)
-    return torch.cat(outputs, src_dim)
+    """Shard(src_dim) -> Shard(dst_dim): send piece k of ``dst_dim`` to rank k, gather pieces along ``src_dim``.
+
+    Pieces are padded to one size, so every rank makes the same equal-split
+    call even when some hold empty shards (an uneven all-to-all would let a
+    rank with nothing to send take a different path from its peers).
+    """
+    me, n = group.rank, group.size
+    src_step, dst_step = max(src_sizes), max(dst_sizes)
+    padded_shape = list(local.shape)
+    padded_shape[src_dim] = src_step
+    padded_shape[dst_dim] = dst_step
+    send = local.new_zeros((n, *padded_shape))
+    offset = 0
+    for k, size in enumerate(dst_sizes):
+        send[k].narrow(src_dim, 0, local.size(src_dim)).narrow(dst_dim, 0, size).copy_(local.narrow(dst_dim, offset, size))
+        offset += size
+    recv = torch.empty_like(send)
+    debug.record("all_to_all", send.numel() * send.element_size(), group)
+    collectives.all_to_all_single(recv, send, group=group)
+    pieces = [recv[k].narrow(src_dim, 0, src_sizes[k]).narrow(dst_dim, 0, dst_sizes[me]) for k in range(n)]
+    return torch.cat(pieces, src_dim)
 
 
 def broadcast(tensor: torch.Tensor, group: ProcessGroup, src: int) -> torch.Tensor:

@@ -32,6 +32,11 @@ class ShardingRuleError(SpmdError):
     """A sharding rule returned something the dispatcher cannot use."""
 
 
+class MixedTensorError(SpmdError):
+    """A plain tensor was passed beside DTensors (a RuntimeError, as every SpmdError: Python turns a TypeError from
+    ``a + b`` into "unsupported operand" and lose the message)."""
+
+
 @dataclass
 class Plan:
     """What to do for one call signature: input targets, output specs, local argument rewrite."""
@@ -117,7 +122,7 @@ def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             key.append(spec.key)
         elif isinstance(x, torch.Tensor):
             if x.ndim != 0:
-                raise TypeError(
+                raise MixedTensorError(
                     f"{func}: got a plain torch.Tensor of shape {tuple(x.shape)} beside DTensors; convert it with "
                     "spmd.distribute_tensor(t, mesh, [Replicate()]) or DTensor.from_local first (only 0-dim "
                     "tensors are taken as replicated)"
@@ -161,7 +166,7 @@ def _execute(func: Any, plan: Plan, flat: list[Any], layout: list[Any], position
     for index in plan.mutated:
         pos = positions[index]
         dt = flat[pos]
-        if dt._local_tensor is not local[pos]:  # the rule moved the mutated input: it now holds the new shard
+        if dt._spec.placements != plan.targets[index]:  # the rule moved the mutated input: it holds the new shard
             dt._local_tensor = local[pos]
             dt._spec = dt._spec.with_placements(plan.targets[index])
     if plan.fallback:
@@ -240,12 +245,12 @@ def _propagate(func: Any, rule: Any, flat: list[Any], layout: list[Any], positio
     specs = [flat[p]._spec for p in positions]
     if rule is None:
         _warn_fallback(func)
-        targets = tuple(tuple(Replicate() for _ in range(mesh.ndim)) for _ in positions)
+        replicated: tuple[tuple[Placement, ...], ...] = tuple(tuple(Replicate() for _ in range(mesh.ndim)) for _ in positions)
         out_specs = tuple(
-            DTensorSpec(mesh, targets[0] if targets else (Replicate(),) * mesh.ndim, tuple(t.shape), tuple(t.stride()), t.dtype)
+            DTensorSpec(mesh, replicated[0] if replicated else (Replicate(),) * mesh.ndim, tuple(t.shape), tuple(t.stride()), t.dtype)
             for t in leaves
         )
-        return Plan(targets, out_specs, None, None, mutated, returns_self, fallback=True)
+        return Plan(replicated, out_specs, None, None, mutated, returns_self, fallback=True)
     per_dim: list[Sharding] = []
     for mesh_dim in range(mesh.ndim):
         inputs = tuple(TensorArg(s.shape, s.dtype, s.placements[mesh_dim], s.placements) for s in specs)
@@ -262,7 +267,9 @@ def _propagate(func: Any, rule: Any, flat: list[Any], layout: list[Any], positio
                 f"{len(outputs)} tensor outputs"
             )
         per_dim.append(sharding)
-    targets = tuple(tuple(per_dim[d].inputs[i] for d in range(mesh.ndim)) for i in range(len(positions)))
+    targets: tuple[tuple[Placement, ...], ...] = tuple(
+        tuple(per_dim[d].inputs[i] for d in range(mesh.ndim)) for i in range(len(positions))
+    )
     out_placements = [tuple(per_dim[d].outputs[k] for d in range(mesh.ndim)) for k in range(len(outputs))]
     out_specs = tuple(DTensorSpec(mesh, pl, tuple(t.shape), tuple(t.stride()), t.dtype) for pl, t in zip(out_placements, leaves))
     rewrite = next((s.rewrite for s in per_dim if s.rewrite is not None), None)

@@ -16,7 +16,12 @@ import torch
 from spmd.mesh import DeviceMesh
 from spmd.tensor.placements import Partial, Placement, Replicate, Shard
 from spmd.tensor.redistribute import Redistribute
-from spmd.tensor.spec import DTensorSpec, global_stride, local_shape_and_offset, normalize_placements
+from spmd.tensor.spec import (
+    DTensorSpec,
+    global_stride,
+    local_shape_and_offset,
+    normalize_placements,
+)
 
 
 class DTensor(torch.Tensor):
@@ -41,10 +46,10 @@ class DTensor(torch.Tensor):
         r._spec = spec
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         from spmd.tensor.dispatch import dispatch
 
         return dispatch(func, args, kwargs or {})

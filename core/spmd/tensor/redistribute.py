@@ -40,7 +40,8 @@ def plan(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> tuple[Step, 
         if c != dst[i]:
             unshard[i] = True
         for j in range(i):  # an outer change on the same tensor dim re-chunks this inner shard
-            if (unshard[j] and cur[j] == c) or (cur[j] != dst[j] and isinstance(dst[j], Shard) and dst[j].dim == c.dim):
+            target = dst[j]
+            if (unshard[j] and cur[j] == c) or (cur[j] != target and isinstance(target, Shard) and target.dim == c.dim):
                 unshard[i] = True
     steps: list[Step] = []
 

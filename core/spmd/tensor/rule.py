@@ -143,7 +143,7 @@ def _elementwise(call: OpCall, linear: bool) -> Sharding:
         if isinstance(p, Shard):
             out_dim = p.dim + (out.ndim - arg.ndim)
             if _aligned(arg, out.ndim, out.shape, out_dim) is not None:
-                wanted = []
+                wanted: list[Placement] = []
                 for other in inputs:
                     d = _aligned(other, out.ndim, out.shape, out_dim)
                     wanted.append(Shard(d) if d is not None else REPLICATE)
@@ -158,8 +158,8 @@ def _elementwise(call: OpCall, linear: bool) -> Sharding:
             return Sharding([REPLICATE] * len(inputs), [REPLICATE] * n_out)
         first = next(i for i, a in enumerate(inputs) if isinstance(a.placement, Partial))
         if name not in _NUMERATOR_ONLY or first == 0:  # scaling: one operand partial, the rest replicated
-            wanted = [partials[0] if i == first else REPLICATE for i in range(len(inputs))]
-            return Sharding(wanted, [partials[0]] * n_out)
+            scaled: list[Placement] = [partials[0] if i == first else REPLICATE for i in range(len(inputs))]
+            return Sharding(scaled, [partials[0]] * n_out)
     return Sharding([REPLICATE] * len(inputs), [REPLICATE] * n_out)
 
 

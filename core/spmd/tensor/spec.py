@@ -75,7 +75,7 @@ def normalize_placements(placements: object, mesh: DeviceMesh, ndim: int) -> tup
     """Placements as a tuple, one per mesh dimension, with negative Shard dims resolved; clear errors otherwise."""
     if isinstance(placements, Placement):
         placements = (placements,)
-    result = tuple(placements)  # type: ignore[arg-type]
+    result: tuple[Placement, ...] = tuple(placements)  # type: ignore[arg-type]
     if len(result) != mesh.ndim:
         raise ValueError(
             f"{len(result)} placements {list(result)} for a {mesh.ndim}-D mesh; give one placement per mesh "
@@ -106,7 +106,8 @@ def global_stride(local: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...
     """A global stride with the same dimension order as the local tensor's (contiguous in that order)."""
     if local.is_contiguous() or local.ndim < 2:
         return contiguous_stride(shape)
-    order = sorted(range(local.ndim), key=lambda d: (-local.stride(d), -d))
+    strides = local.stride()
+    order = sorted(range(local.ndim), key=lambda d: (-strides[d], -d))
     stride = [0] * len(shape)
     acc = 1
     for d in reversed(order):

@@ -61,7 +61,7 @@ def addmm_rule(call: OpCall) -> Sharding:
     pa, pb, out = _matmul(a.placement, b.placement, a.ndim - 2)
     out_meta = call.outputs[0]
     pbias = _bias_placement(bias.ndim, out_meta.ndim, out)
-    if isinstance(pbias, Shard) and bias.shape[pbias.dim] == 1 and out_meta.shape[out.dim] != 1:  # type: ignore[union-attr]
+    if isinstance(pbias, Shard) and isinstance(out, Shard) and bias.shape[pbias.dim] == 1 and out_meta.shape[out.dim] != 1:
         pbias = R
     return Sharding([pbias, pa, pb], [out])
 

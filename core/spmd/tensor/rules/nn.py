@@ -139,11 +139,13 @@ def dropout_rule(call: OpCall) -> Sharding:
 
 
 def attention_rule(call: OpCall) -> Sharding:
-    """CPU flash attention forward/backward: batch (dim 0) or heads (dim 1) sharded on every input."""
+    """CPU flash attention forward/backward: batch (dim 0) or heads (dim 1) sharded on every input (evenly)."""
     q = next(x for x in call.inputs if x.ndim == 4)
     p = q.placement
-    if isinstance(p, Shard) and p.dim in (0, 1):
-        wanted = []
+    # torch's CPU flash kernel dies with SIGFPE on an empty shard: shard only when no piece is empty
+    even = isinstance(p, Shard) and q.shape[p.dim] % call.mesh_dim_size == 0 and q.placements.count(p) == 1
+    if isinstance(p, Shard) and p.dim in (0, 1) and even:
+        wanted: list[Placement] = []
         for x in call.inputs:
             if x.ndim >= 3 and x.shape[p.dim] == q.shape[p.dim] and x.shape[p.dim] != 1:
                 wanted.append(p)

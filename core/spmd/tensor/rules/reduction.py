@@ -53,11 +53,12 @@ def reduction_rule(call: OpCall) -> Sharding:
         if p.dim not in reduced:
             return Sharding([p], [Shard(_out_dim(p.dim, reduced, keepdim))] * n_out)
         kind = _PARTIAL_OF.get(name)
-        if kind == "avg":
-            sizes = chunk_sizes(x.shape[p.dim], call.mesh_dim_size)
-            nested = sum(1 for q in x.placements if q == p) > 1
-            if len(set(sizes)) != 1 or nested:
-                return Sharding([R], [R] * n_out)
+        sizes = chunk_sizes(x.shape[p.dim], call.mesh_dim_size)
+        nested = x.placements.count(p) > 1
+        if kind == "avg" and (len(set(sizes)) != 1 or nested):
+            return Sharding([R], [R] * n_out)  # a mean of unequal pieces is not the mean
+        if kind in ("max", "min") and (0 in sizes or nested):
+            return Sharding([R], [R] * n_out)  # amax of an empty shard is an error on that rank alone
         if kind is not None:
             return Sharding([p], [Partial(kind)] * n_out)
         return Sharding([R], [R] * n_out)

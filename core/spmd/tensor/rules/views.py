@@ -200,6 +200,18 @@ def cat_rule(call: OpCall) -> Sharding:
     return Sharding([first] * len(xs), [out_p])
 
 
+def index_add_rule(call: OpCall) -> Sharding:
+    """index_add(self, dim, index, source): self and source share a shard off ``dim``; the index is replicated."""
+    x, index, source = call.inputs
+    along = _norm(call.arg(1, "dim"), x.ndim)
+    p = x.placement
+    if isinstance(p, Shard) and p.dim != along and source.ndim == x.ndim:
+        return Sharding([p, R, p], [p])
+    if isinstance(p, Partial) and source.placement == p:
+        return Sharding([p, R, p], [p])
+    return Sharding([R, R, R], [R])
+
+
 def rules() -> dict[Any, Any]:
     view = _sized(_dim_rule(_view_dim), 1, "size")
     return {
@@ -220,6 +232,7 @@ def rules() -> dict[Any, Any]:
         aten.slice.Tensor: _dim_rule(_not_along(1, "dim")),
         aten.select.int: _dim_rule(_not_along(1, "dim", drops=True)),
         aten.index_select.default: _dim_rule(_not_along(1, "dim")),
+        aten.index_add.default: index_add_rule,
         aten.slice_backward.default: _sized(_dim_rule(_backward_of_slice), 1, "input_sizes"),
         aten.select_backward.default: _sized(_dim_rule(_backward_of_select), 1, "input_sizes"),
         aten.cat.default: cat_rule,

@@ -107,6 +107,8 @@ def init_process_group(
     pg_options: Mapping[str, Any] | None = None,
     device_id: Any = None,
     trace_dir: str | os.PathLike | None = None,
+    *,
+    torch_interop: bool | None = None,
 ) -> ProcessGroup:
     """Join the job: rendezvous with the other ranks and create the world group.
 
@@ -119,7 +121,16 @@ def init_process_group(
     are created lazily, on the first tensor of their device. ``trace_dir``
     is where flight-recorder dumps go (default ``$SPMD_TRACE_DIR`` or
     ``./spmd_traces``).
+
+    torch.distributed follows: unless ``torch_interop=False`` (or
+    ``SPMD_TORCH_INTEROP=0``), torch's default group becomes backend
+    ``"spmd"`` on this world, so libraries that ask torch.distributed
+    (``DistributedSampler``, torch's DDP, functional collectives) run on
+    spmd's backend. If torch.distributed was initialised first, spmd joins
+    its rank, world size and store instead.
     """
+    from spmd import interop
+
     if state.is_initialized():
         raise SpmdError("spmd is already initialised; call spmd.destroy_process_group() before init again")
     timeout = _as_timedelta(timeout) or _default_timeout()
@@ -133,6 +144,10 @@ def init_process_group(
             reason = entry.spec.unavailable_reason() if isinstance(backend, str) and ":" not in backend else None
             if reason is not None:
                 raise BackendUnavailableError(f"backend {name!r} (plugin {entry.plugin!r}) cannot run here: {reason}")
+    joined = interop.torch_world() if store is None and init_method is None else None
+    if joined is not None:
+        torch_rank, torch_size, store = joined
+        rank, world_size = (torch_rank if rank < 0 else rank), (torch_size if world_size < 0 else world_size)
     if store is None:
         launcher_env = init_method is None and rank < 0 and world_size < 0
         from spmd.launch.environments import detect_launch
@@ -152,6 +167,8 @@ def init_process_group(
     state.set_state(state.WorldState(world=world, store=store, groups={group_name: world}))
     atexit.register(_close_at_exit)
     _start_debugging(store, rank, trace_dir)
+    if joined is None and not tdist.is_initialized() and interop.interop_requested(torch_interop):
+        interop.attach(world, store, timeout)
     return world
 
 
@@ -182,8 +199,10 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Tear down one group, or (with None) every group and the world; init may be called again."""
     current = state.get_state()
     if group is None or group is current.world:
+        from spmd import interop
         from spmd.debug import watchdog
 
+        interop.detach()
         watchdog.stop()
         for g in list(current.groups.values()):
             g.close()

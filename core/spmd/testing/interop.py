@@ -35,7 +35,7 @@ def torch_view() -> dict[str, Any]:
     """What a library that asks torch.distributed sees after spmd.init."""
     from torch.utils.data import DistributedSampler
 
-    sampler = DistributedSampler(list(range(10)), shuffle=False)
+    sampler: DistributedSampler[int] = DistributedSampler(list(range(10)), shuffle=False)  # type: ignore[arg-type]
     return {
         "initialized": tdist.is_initialized(),
         "rank": tdist.get_rank(),
@@ -112,11 +112,13 @@ def collectives_match_gloo() -> list[str]:
     differ = [name for name, t in results["spmd"].items() if not torch.equal(t, results["gloo"][name])]
     # Functional collectives (DTensor, torch.compile's path) resolve the group by name in C++.
     x = torch.arange(4.0) + rank
+    world_group = tdist.group.WORLD
+    assert world_group is not None
     pairs = {
-        "fc.all_reduce": (fc.all_reduce(x, "sum", tdist.group.WORLD), fc.all_reduce(x, "sum", gloo_group())),
-        "fc.all_gather_tensor": (fc.all_gather_tensor(x, 0, tdist.group.WORLD), fc.all_gather_tensor(x, 0, gloo_group())),
+        "fc.all_reduce": (fc.all_reduce(x, "sum", world_group), fc.all_reduce(x, "sum", gloo_group())),
+        "fc.all_gather_tensor": (fc.all_gather_tensor(x, 0, world_group), fc.all_gather_tensor(x, 0, gloo_group())),
         "fc.reduce_scatter_tensor": (
-            fc.reduce_scatter_tensor(x, "sum", 0, tdist.group.WORLD),
+            fc.reduce_scatter_tensor(x, "sum", 0, world_group),
             fc.reduce_scatter_tensor(x, "sum", 0, gloo_group()),
         ),
     }

@@ -33,7 +33,7 @@ def _default_timeout() -> timedelta:
 
 def _resolve_world(init_method: str | None, rank: int, world_size: int) -> tuple[int, int, str, int]:
     """rank, world size, master address and port from arguments, URL or launcher environment."""
-    from spmd.launch.environments import detect_launch
+    from spmd.launch.environments import DEFAULT_MASTER_PORT, detect_launch
 
     detected = detect_launch() if init_method in (None, "env://") else None
     addr, port = "127.0.0.1", 0
@@ -42,6 +42,10 @@ def _resolve_world(init_method: str | None, rank: int, world_size: int) -> tuple
         rank = info.rank if rank < 0 else rank
         world_size = info.world_size if world_size < 0 else world_size
         addr, port = info.master_addr, info.master_port
+    elif init_method in (None, "env://") and (os.environ.get("MASTER_ADDR") or os.environ.get("MASTER_PORT")):
+        # torch's env:// with rank= and world_size= passed: the master comes from the environment.
+        addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        port = int(os.environ.get("MASTER_PORT") or DEFAULT_MASTER_PORT)
     elif init_method and init_method.startswith("tcp://"):
         url = urllib.parse.urlparse(init_method)
         query = urllib.parse.parse_qs(url.query)
@@ -56,6 +60,13 @@ def _resolve_world(init_method: str | None, rank: int, world_size: int) -> tuple
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world size {world_size}: ranks are 0..{world_size - 1}")
+    if port == 0 and world_size > 1 and not (init_method or "").startswith("file://") and not os.environ.get("SPMD_AGENT_STORE"):
+        raise SpmdError(
+            f"spmd.init(rank={rank}, world_size={world_size}) has no rendezvous address: set MASTER_ADDR and "
+            "MASTER_PORT in the environment (as torch's env:// does, e.g. MASTER_ADDR=127.0.0.1 "
+            "MASTER_PORT=29500), or pass init_method='tcp://host:port' or store=; or launch with "
+            "`spmd run --nproc-per-node N script.py`, which sets them"
+        )
     return rank, world_size, addr, port
 
 
@@ -85,10 +96,18 @@ def _make_store(init_method: str | None, rank: int, world_size: int, addr: str, 
         return tdist.FileStore(path, world_size)
     if world_size == 1 and port == 0:
         return tdist.HashStore()
+    # Under torchrun the agent already hosts the store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE),
+    # as torch's own env:// knows: every rank joins it as a client instead of rank 0 failing to bind,
+    # under one key prefix per restart attempt (the agent's store outlives restarts).
+    torchrun_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    host = rank == 0 and not torchrun_store
     try:
-        return tdist.TCPStore(addr, port, world_size, rank == 0, timeout=timeout)
+        store = tdist.TCPStore(addr, port, world_size, host, timeout=timeout)
+        if torchrun_store:
+            return tdist.PrefixStore(f"spmd/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        return store
     except Exception as error:  # noqa: BLE001 - re-raised with what to check
-        role = "host" if rank == 0 else "reach"
+        role = "host" if host else "reach"
         raise SpmdError(
             f"rank {rank} could not {role} the rendezvous store at {addr}:{port} within "
             f"{timeout.total_seconds():.0f} s ({error}). Check MASTER_ADDR/MASTER_PORT, that the "
@@ -132,6 +151,8 @@ def init_process_group(
     from spmd import interop
 
     if state.is_initialized():
+        if interop.started_by_torch():
+            return state.get_state().world  # torch.distributed.init_process_group("spmd") started it
         raise SpmdError("spmd is already initialised; call spmd.destroy_process_group() before init again")
     timeout = _as_timedelta(timeout) or _default_timeout()
     backend_map = parse_backend_string(backend)

@@ -15,6 +15,7 @@ from spmd.interop.bridge import (
     detach,
     interop_requested,
     register,
+    started_by_torch,
     torch_world,
 )
 from spmd.interop.process_group import SpmdProcessGroup
@@ -28,5 +29,6 @@ __all__ = [
     "detach",
     "interop_requested",
     "register",
+    "started_by_torch",
     "torch_world",
 ]

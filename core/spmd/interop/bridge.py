@@ -26,6 +26,13 @@ BACKEND_NAME = "spmd"
 
 #: Set while spmd owns torch's default group (spmd.destroy_process_group tears it down too).
 _owned = False
+#: Set while spmd's world is the one torch.distributed.init_process_group("spmd") started.
+_torch_started = False
+
+
+def started_by_torch() -> bool:
+    """True when torch.distributed.init_process_group("spmd") started spmd (spmd.init then returns that world)."""
+    return _torch_started and state.is_initialized()
 
 
 def interop_requested(torch_interop: bool | None) -> bool:
@@ -66,7 +73,8 @@ def attach(world: ProcessGroup, store: tdist.Store, timeout: timedelta) -> None:
 
 def detach() -> None:
     """Destroy torch.distributed's default group if spmd created it."""
-    global _owned
+    global _owned, _torch_started
+    _torch_started = False
     if _owned:
         _owned = False
         if tdist.is_initialized():
@@ -77,6 +85,7 @@ def _create(options: Any, pg_options: Any) -> SpmdProcessGroup:
     """c10d's creator for backend "spmd": the world group, or a spmd group for ``torch.distributed.new_group``."""
     ranks = list(options.global_ranks_in_group)
     rank, size = int(options.group_rank), int(options.group_size)
+    global _torch_started
     timeout = options.timeout if isinstance(options.timeout, timedelta) else None
     if not state.is_initialized():
         # torch.distributed.init_process_group("spmd") came first: start spmd on torch's store.
@@ -84,6 +93,7 @@ def _create(options: Any, pg_options: Any) -> SpmdProcessGroup:
 
         backend = pg_options if isinstance(pg_options, (str, dict)) else None
         init_process_group(backend, store=options.store, rank=rank, world_size=size, timeout=timeout, torch_interop=False)
+        _torch_started = True
         return SpmdProcessGroup(state.get_state().world)
     current = state.get_state()
     world = current.world

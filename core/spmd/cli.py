@@ -160,13 +160,18 @@ def cmd_trace_analyze(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from spmd.launch import agent
-    from spmd.launch.args import to_config
+    from spmd.launch.args import accepted_notes, to_config
 
+    for note in accepted_notes(args):
+        print(f"spmd run: {note}", file=sys.stderr, flush=True)
     return agent.run(to_config(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from spmd import __version__
+
     parser = argparse.ArgumentParser(prog="spmd", description="spmd: backend-agnostic distributed training for PyTorch")
+    parser.add_argument("--version", action="version", version=f"spmd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="list installed plugins and what each provides")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
@@ -201,7 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = sub.add_parser("run", help="launch a training script on N workers per node (torchrun's flags)")
     build_parser(run)
     run.set_defaults(func=cmd_run)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # name the subcommand's usage, not the top level's
+        (run if args.command == "run" else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args))
 
 

@@ -102,12 +102,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             f"launch environment: {env_name} (rank {launch.rank} of {launch.world_size}, local rank "
             f"{launch.local_rank}, master {launch.master_addr}:{launch.master_port})"
         )
+    # The one rule spmd.init() follows everywhere: the highest-priority usable backend per device.
     for device in backends().device_types():
         try:
             chosen = backends().for_device(device).spec.name
         except Exception as error:  # noqa: BLE001 - reported
             chosen = f"none ({error})"
-        print(f"default for {device}: {chosen}")
+        usable = sorted(
+            (e.spec for e in backends().entries() if device in e.spec.devices and e.spec.unavailable_reason() is None),
+            key=lambda spec: -spec.priority,
+        )
+        order = ", ".join(f"{spec.name} {spec.priority}" for spec in usable)
+        print(f"default for {device}: {chosen}" + (f" (highest priority of the usable: {order})" if order else ""))
     return 0 if ok else 1
 
 

@@ -103,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
-    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=120)
+    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=120, torch_interop=False)  # torch runs on Gloo here
     pg = tdist.ProcessGroupGloo(tdist.PrefixStore("raw/", store), rank, world, timedelta(seconds=120))
     # A second raw group: raw2/raw shows the noise floor (two identical Gloo groups differ too).
     pg2 = tdist.ProcessGroupGloo(tdist.PrefixStore("raw2/", store), rank, world, timedelta(seconds=120))

@@ -47,11 +47,17 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
 
 
-def _torch_group() -> None:
-    """torch.distributed's default group over Gloo, on spmd's store (once per worker process)."""
+_GLOO: list[Any] = []
+
+
+def _torch_group() -> Any:
+    """A torch.distributed Gloo group over every rank (torch's default group is spmd's own under interop)."""
     if not tdist.is_initialized():
         store = tdist.PrefixStore("torch-ddp/", get_state().store)
         tdist.init_process_group("gloo", store=store, rank=spmd.get_rank(), world_size=spmd.get_world_size())
+    if not _GLOO:
+        _GLOO.append(tdist.group.WORLD if tdist.get_backend() == "gloo" else tdist.new_group(backend="gloo"))
+    return _GLOO[0]
 
 
 def _uses_extra(case: str, step: int, rank: int) -> bool:
@@ -64,7 +70,7 @@ def _uses_extra(case: str, step: int, rank: int) -> bool:
 
 def parity(case: str) -> dict[str, Any]:
     """Train one model with spmd DDP and a copy with torch DDP for STEPS SGD steps; compare."""
-    _torch_group()
+    gloo = _torch_group()
     rank = spmd.get_rank()
     torch.manual_seed(100 + rank)  # different on every rank: both wrappers must broadcast rank 0's
     base = Net(extra=case == "unused", bn=case == "plain")
@@ -74,7 +80,7 @@ def parity(case: str) -> dict[str, Any]:
     if case == "buckets":
         options["bucket_cap_mb"] = 0.0005  # 512 B: about one parameter per bucket
     ours = DDP(copy.deepcopy(base), **options)
-    theirs = TorchDDP(copy.deepcopy(base), **options)
+    theirs = TorchDDP(copy.deepcopy(base), process_group=gloo, **options)
     hook = {"fp16": "fp16", "bf16": "bf16"}.get(case)
     if hook is not None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -214,7 +220,7 @@ def against_local_reference(members: list[int] | None = None, steps: int = 10) -
 
 def uneven(case: str) -> dict[str, Any]:
     """Rank r trains on 5 + 3r batches inside ``join()``: spmd DDP and torch DDP must end equal."""
-    _torch_group()
+    gloo = _torch_group()
     rank = spmd.get_rank()
     torch.manual_seed(100 + rank)
     base = Net(extra=case == "unused", bn=True)
@@ -223,7 +229,7 @@ def uneven(case: str) -> dict[str, Any]:
     steps = 3 * rank + (0 if case == "no_batches" else 5)  # "no_batches": rank 0 joins before any step
     states = []
     for wrap in (DDP, TorchDDP):
-        model = wrap(copy.deepcopy(base), **options)
+        model = wrap(copy.deepcopy(base), **options) if wrap is DDP else wrap(copy.deepcopy(base), process_group=gloo, **options)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         with model.join(**join_options):
             for step in range(steps):
@@ -276,12 +282,12 @@ class Shuffled(nn.Module):
 
 def rebuild() -> dict[str, Any]:
     """Buckets are re-cut along the first backward's ready order, and training still matches torch."""
-    _torch_group()
+    gloo = _torch_group()
     rank = spmd.get_rank()
     torch.manual_seed(7 + rank)
     base = Shuffled()
     ours = DDP(copy.deepcopy(base), bucket_cap_mb=0.0005)  # 512 B: one parameter per bucket
-    theirs = TorchDDP(copy.deepcopy(base), bucket_cap_mb=0.0005)
+    theirs = TorchDDP(copy.deepcopy(base), bucket_cap_mb=0.0005, process_group=gloo)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, theirs)]
     layouts = []
     for step in range(6):

@@ -81,8 +81,10 @@ def test_without_restarts_the_agent_exits_fast_naming_rank_and_signal():
     assert out.returncode == 128 + signal.SIGKILL
     assert "job failed; restarts used 0/0" in out.stderr
     assert "rank 1 (local rank 1) on node 0 (127.0.0.1) killed by signal SIGKILL" in out.stderr
-    # includes interpreter start-up and `import torch` twice (agent and workers): ~2-3 s here
-    assert elapsed < 5 + 3, elapsed
+    # "Fast" means without waiting out rank 0's collective timeout (SPMD_TIMEOUT=600 s by default):
+    # the run includes interpreter start-up and `import torch` in the agent and both workers, which
+    # measured 2-3 s idle and 16 s on a loaded 2-core machine, so the bound is a few times that.
+    assert elapsed < 60, elapsed
 
 
 def test_python_error_summary_shows_the_traceback():

@@ -67,11 +67,18 @@ from spmd.errors import (
     PluginConflictError,
     SpmdError,
 )
+from spmd.interop import register as _register_torch_backend
 from spmd.markers import hookimpl, hookspec
 from spmd.mesh import DeviceMesh, init_device_mesh
 from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 __version__ = "0.1.0"
+
+#: torch.distributed's old name for ReduceOp (``dist.reduce_op.SUM``), kept so old scripts port unchanged.
+reduce_op = ReduceOp
+
+# torch.distributed.init_process_group("spmd") works once spmd is imported (a few dict entries, no I/O).
+_register_torch_backend()
 
 __all__ = [
     "Backend",
@@ -135,6 +142,7 @@ __all__ = [
     "recv",
     "recv_object_list",
     "reduce",
+    "reduce_op",
     "reduce_scatter",
     "reduce_scatter_single",
     "reduce_scatter_tensor",

@@ -102,12 +102,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             f"launch environment: {env_name} (rank {launch.rank} of {launch.world_size}, local rank "
             f"{launch.local_rank}, master {launch.master_addr}:{launch.master_port})"
         )
+    # The one rule spmd.init() follows everywhere: the highest-priority usable backend per device.
     for device in backends().device_types():
         try:
             chosen = backends().for_device(device).spec.name
         except Exception as error:  # noqa: BLE001 - reported
             chosen = f"none ({error})"
-        print(f"default for {device}: {chosen}")
+        usable = sorted(
+            (e.spec for e in backends().entries() if device in e.spec.devices and e.spec.unavailable_reason() is None),
+            key=lambda spec: -spec.priority,
+        )
+        order = ", ".join(f"{spec.name} {spec.priority}" for spec in usable)
+        print(f"default for {device}: {chosen}" + (f" (highest priority of the usable: {order})" if order else ""))
     return 0 if ok else 1
 
 
@@ -160,13 +166,18 @@ def cmd_trace_analyze(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from spmd.launch import agent
-    from spmd.launch.args import to_config
+    from spmd.launch.args import accepted_notes, to_config
 
+    for note in accepted_notes(args):
+        print(f"spmd run: {note}", file=sys.stderr, flush=True)
     return agent.run(to_config(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from spmd import __version__
+
     parser = argparse.ArgumentParser(prog="spmd", description="spmd: backend-agnostic distributed training for PyTorch")
+    parser.add_argument("--version", action="version", version=f"spmd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     plugins = sub.add_parser("plugins", help="list installed plugins and what each provides")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
@@ -201,7 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = sub.add_parser("run", help="launch a training script on N workers per node (torchrun's flags)")
     build_parser(run)
     run.set_defaults(func=cmd_run)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # name the subcommand's usage, not the top level's
+        (run if args.command == "run" else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args))
 
 

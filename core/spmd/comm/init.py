@@ -33,7 +33,7 @@ def _default_timeout() -> timedelta:
 
 def _resolve_world(init_method: str | None, rank: int, world_size: int) -> tuple[int, int, str, int]:
     """rank, world size, master address and port from arguments, URL or launcher environment."""
-    from spmd.launch.environments import detect_launch
+    from spmd.launch.environments import DEFAULT_MASTER_PORT, detect_launch
 
     detected = detect_launch() if init_method in (None, "env://") else None
     addr, port = "127.0.0.1", 0
@@ -42,6 +42,10 @@ def _resolve_world(init_method: str | None, rank: int, world_size: int) -> tuple
         rank = info.rank if rank < 0 else rank
         world_size = info.world_size if world_size < 0 else world_size
         addr, port = info.master_addr, info.master_port
+    elif init_method in (None, "env://") and (os.environ.get("MASTER_ADDR") or os.environ.get("MASTER_PORT")):
+        # torch's env:// with rank= and world_size= passed: the master comes from the environment.
+        addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        port = int(os.environ.get("MASTER_PORT") or DEFAULT_MASTER_PORT)
     elif init_method and init_method.startswith("tcp://"):
         url = urllib.parse.urlparse(init_method)
         query = urllib.parse.parse_qs(url.query)
@@ -56,6 +60,13 @@ def _resolve_world(init_method: str | None, rank: int, world_size: int) -> tuple
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world size {world_size}: ranks are 0..{world_size - 1}")
+    if port == 0 and world_size > 1 and not (init_method or "").startswith("file://") and not os.environ.get("SPMD_AGENT_STORE"):
+        raise SpmdError(
+            f"spmd.init(rank={rank}, world_size={world_size}) has no rendezvous address: set MASTER_ADDR and "
+            "MASTER_PORT in the environment (as torch's env:// does, e.g. MASTER_ADDR=127.0.0.1 "
+            "MASTER_PORT=29500), or pass init_method='tcp://host:port' or store=; or launch with "
+            "`spmd run --nproc-per-node N script.py`, which sets them"
+        )
     return rank, world_size, addr, port
 
 
@@ -85,10 +96,18 @@ def _make_store(init_method: str | None, rank: int, world_size: int, addr: str, 
         return tdist.FileStore(path, world_size)
     if world_size == 1 and port == 0:
         return tdist.HashStore()
+    # Under torchrun the agent already hosts the store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE),
+    # as torch's own env:// knows: every rank joins it as a client instead of rank 0 failing to bind,
+    # under one key prefix per restart attempt (the agent's store outlives restarts).
+    torchrun_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    host = rank == 0 and not torchrun_store
     try:
-        return tdist.TCPStore(addr, port, world_size, rank == 0, timeout=timeout)
+        store = tdist.TCPStore(addr, port, world_size, host, timeout=timeout)
+        if torchrun_store:
+            return tdist.PrefixStore(f"spmd/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        return store
     except Exception as error:  # noqa: BLE001 - re-raised with what to check
-        role = "host" if rank == 0 else "reach"
+        role = "host" if host else "reach"
         raise SpmdError(
             f"rank {rank} could not {role} the rendezvous store at {addr}:{port} within "
             f"{timeout.total_seconds():.0f} s ({error}). Check MASTER_ADDR/MASTER_PORT, that the "
@@ -107,6 +126,8 @@ def init_process_group(
     pg_options: Mapping[str, Any] | None = None,
     device_id: Any = None,
     trace_dir: str | os.PathLike | None = None,
+    *,
+    torch_interop: bool | None = None,
 ) -> ProcessGroup:
     """Join the job: rendezvous with the other ranks and create the world group.
 
@@ -119,8 +140,19 @@ def init_process_group(
     are created lazily, on the first tensor of their device. ``trace_dir``
     is where flight-recorder dumps go (default ``$SPMD_TRACE_DIR`` or
     ``./spmd_traces``).
+
+    torch.distributed follows: unless ``torch_interop=False`` (or
+    ``SPMD_TORCH_INTEROP=0``), torch's default group becomes backend
+    ``"spmd"`` on this world, so libraries that ask torch.distributed
+    (``DistributedSampler``, torch's DDP, functional collectives) run on
+    spmd's backend. If torch.distributed was initialised first, spmd joins
+    its rank, world size and store instead.
     """
+    from spmd import interop
+
     if state.is_initialized():
+        if interop.started_by_torch():
+            return state.get_state().world  # torch.distributed.init_process_group("spmd") started it
         raise SpmdError("spmd is already initialised; call spmd.destroy_process_group() before init again")
     timeout = _as_timedelta(timeout) or _default_timeout()
     backend_map = parse_backend_string(backend)
@@ -133,6 +165,10 @@ def init_process_group(
             reason = entry.spec.unavailable_reason() if isinstance(backend, str) and ":" not in backend else None
             if reason is not None:
                 raise BackendUnavailableError(f"backend {name!r} (plugin {entry.plugin!r}) cannot run here: {reason}")
+    joined = interop.torch_world() if store is None and init_method is None else None
+    if joined is not None:
+        torch_rank, torch_size, store = joined
+        rank, world_size = (torch_rank if rank < 0 else rank), (torch_size if world_size < 0 else world_size)
     if store is None:
         launcher_env = init_method is None and rank < 0 and world_size < 0
         from spmd.launch.environments import detect_launch
@@ -152,6 +188,8 @@ def init_process_group(
     state.set_state(state.WorldState(world=world, store=store, groups={group_name: world}))
     atexit.register(_close_at_exit)
     _start_debugging(store, rank, trace_dir)
+    if joined is None and not tdist.is_initialized() and interop.interop_requested(torch_interop):
+        interop.attach(world, store, timeout)
     return world
 
 
@@ -182,8 +220,10 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     """Tear down one group, or (with None) every group and the world; init may be called again."""
     current = state.get_state()
     if group is None or group is current.world:
+        from spmd import interop
         from spmd.debug import watchdog
 
+        interop.detach()
         watchdog.stop()
         for g in list(current.groups.values()):
             g.close()

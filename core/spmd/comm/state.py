@@ -54,7 +54,13 @@ def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
             "on that group only from its members"
         )
     if not isinstance(group, ProcessGroup):
-        raise TypeError(f"group must be a spmd ProcessGroup or None, got {type(group).__name__}")
+        inner = getattr(group, "spmd_group", None)  # a torch.distributed group of backend "spmd"
+        if isinstance(inner, ProcessGroup):
+            return inner
+        raise TypeError(
+            f"group must be a spmd ProcessGroup, a torch.distributed group of backend 'spmd', or None; "
+            f"got {type(group).__name__}"
+        )
     return group
 
 

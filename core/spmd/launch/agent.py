@@ -103,6 +103,8 @@ class Agent:
         self._rdzv = rdzv
         while True:
             membership = replace(rdzv.join(c.nproc_per_node, c.node_rank, me), store_endpoint=self._endpoint)
+            if c.master_addr:  # --master-addr names node 0 as torchrun's static rendezvous does
+                membership = replace(membership, master_addr=c.master_addr)
             round_ = membership.round
             if membership.node_rank == 0:
                 _say(

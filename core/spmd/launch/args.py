@@ -30,6 +30,7 @@ class RunConfig:
     rdzv_timeout: float
     last_call: float
     stop_grace: float
+    master_addr: str | None = None  # what workers get as MASTER_ADDR (default: node 0's address)
 
 
 def _nodes(text: str) -> tuple[int, int]:
@@ -72,6 +73,44 @@ def _nproc(text: str) -> int:
     return value
 
 
+#: torchrun flags that ``spmd run`` accepts and what each does here: flag -> (alias, metavar or None for a switch, note).
+ACCEPTED: dict[str, tuple[str, str | None, str]] = {
+    "--rdzv-backend": ("--rdzv_backend", "BACKEND", "spmd run always meets over its own TCP store at --rdzv-endpoint (c10d, static and etcd alike)"),
+    "--rdzv-conf": ("--rdzv_conf", "CONF", "join_timeout and last_call_timeout set --rdzv-timeout and --last-call; other keys are ignored"),
+    "--start-method": ("--start_method", "METHOD", "workers are always fresh processes (like spawn)"),
+    "--event-log-handler": ("--event_log_handler", "HANDLER", "no event log; the agent reports to stderr"),
+    "--role": ("--role", "ROLE", "no roles: every worker runs the same script"),
+    "--run-path": ("--run_path", None, "the script runs as a file, which is what --run-path asks for"),
+    "--local-ranks-filter": ("--local_ranks_filter", "RANKS", "ignored: every local rank's output is shown (use --tee/--redirects with --log-dir)"),
+    "--duplicate-stdout-filters": ("--duplicate_stdout_filters", "FILTERS", "ignored: no duplicated filtered output files"),
+    "--duplicate-stderr-filters": ("--duplicate_stderr_filters", "FILTERS", "ignored: no duplicated filtered output files"),
+    "--local-addr": ("--local_addr", "ADDR", "ignored: the agent finds its address on the route to the rendezvous host"),
+    "--logs-specs": ("--logs_specs", "SPECS", "ignored: logs go to --log-dir"),
+    "--numa-binding": ("--numa_binding", "KIND", "ignored: no NUMA binding (use numactl in --no-python mode)"),
+    "--signals-to-handle": ("--signals_to_handle", "SIGNALS", "SIGINT and SIGTERM are forwarded to every worker; others are not handled"),
+    "--virtual-local-rank": ("--virtual_local_rank", None, "ignored: LOCAL_RANK stays the worker's real local rank"),
+}
+
+
+def accepted_notes(ns: argparse.Namespace) -> list[str]:
+    """One line for each accepted-but-inert torchrun flag that was given, saying what it does here."""
+    notes = []
+    for flag, (_, _, note) in ACCEPTED.items():
+        if getattr(ns, flag.lstrip("-").replace("-", "_"), None) not in (None, False):
+            notes.append(f"{flag}: {note}")
+    return notes
+
+
+def _rdzv_conf(text: str | None) -> dict[str, float]:
+    """torchrun's ``key=value,...``: the timeouts spmd run has equivalents for."""
+    values: dict[str, float] = {}
+    for item in (text or "").split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip() in ("join_timeout", "last_call_timeout"):
+            values[key.strip()] = float(value)
+    return values
+
+
 def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``spmd run``'s flags to ``parser`` (torchrun's names; dashes or underscores)."""
     add = parser.add_argument
@@ -89,6 +128,16 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--tee", "-t", default="0", help="send worker output to --log-dir files and the console, prefixed by rank: 0-3")
     add("--log-dir", "--log_dir", default=None, help="directory for per-rank stdout/stderr logs")
     add("--stop-grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL when stopping workers")
+    add("--master-addr", "--master_addr", default=None, help="as torchrun's static rendezvous: without --rdzv-endpoint, agents meet at MASTER_ADDR:MASTER_PORT, and workers get MASTER_ADDR")
+    add("--master-port", "--master_port", type=int, default=None, help="see --master-addr (workers' MASTER_PORT is a free port node 0 picks: the agents' store holds this one, as torchrun's does)")
+    add("--shutdown-timeout", "--shutdown_timeout", type=float, default=None, help="torchrun's name for --stop-grace")
+    for flag, (underscored, meta, note) in ACCEPTED.items():
+        names = [flag] if underscored == flag else [flag, underscored]
+        text = f"accepted for torchrun compatibility: {note}"
+        if meta is None:
+            add(*names, action="store_true", help=text)
+        else:
+            add(*names, metavar=meta, default=None, help=text)
     add("-m", "--module", action="store_true", help="run the script as a module (python -m)")
     add("--no-python", "--no_python", action="store_true", help="run the script as an executable, not with python")
     add("script", help="the training script (or module, or executable)")
@@ -99,12 +148,16 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def to_config(ns: argparse.Namespace) -> RunConfig:
     """Validate parsed arguments into a RunConfig."""
     low, high = _nodes(ns.nnodes)
+    conf = _rdzv_conf(ns.rdzv_conf)
     nproc = _nproc(str(ns.nproc_per_node))
     if ns.module and ns.no_python:
         raise SystemExit("spmd run: -m and --no-python exclude each other")
     if ns.standalone and high > 1:
         raise SystemExit("spmd run: --standalone is for one node; drop it or use --nnodes 1")
-    if high > 1 and not ns.rdzv_endpoint:
+    endpoint = ns.rdzv_endpoint
+    if not endpoint and not ns.standalone and (ns.master_addr or ns.master_port):
+        endpoint = f"{ns.master_addr or '127.0.0.1'}:{ns.master_port or 29500}"  # torchrun's static rendezvous
+    if high > 1 and not endpoint:
         raise SystemExit("spmd run: with --nnodes > 1 pass --rdzv-endpoint host:port (the same on every node)")
     if (ns.redirects != "0" or ns.tee != "0") and not ns.log_dir and ns.redirects != "0":
         raise SystemExit("spmd run: --redirects needs --log-dir (where else would the output go?)")
@@ -113,9 +166,9 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         min_nodes=low,
         max_nodes=high,
         node_rank=ns.node_rank,
-        rdzv_endpoint=None if ns.standalone else ns.rdzv_endpoint,
+        rdzv_endpoint=None if ns.standalone else endpoint,
         rdzv_id=ns.rdzv_id,
-        standalone=ns.standalone or not ns.rdzv_endpoint,
+        standalone=ns.standalone or not endpoint,
         max_restarts=ns.max_restarts,
         monitor_interval=ns.monitor_interval,
         redirects=_streams(ns.redirects, nproc, "--redirects"),
@@ -125,7 +178,8 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         no_python=ns.no_python,
         script=ns.script,
         script_args=tuple(ns.script_args),
-        rdzv_timeout=ns.rdzv_timeout,
-        last_call=ns.last_call,
-        stop_grace=ns.stop_grace,
+        rdzv_timeout=conf.get("join_timeout", ns.rdzv_timeout),
+        last_call=conf.get("last_call_timeout", ns.last_call),
+        stop_grace=ns.stop_grace if ns.shutdown_timeout is None else ns.shutdown_timeout,
+        master_addr=ns.master_addr,
     )

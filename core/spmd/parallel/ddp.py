@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from spmd.comm.group import ProcessGroup
 from spmd.comm.state import resolve_group
 from spmd.errors import SpmdError
 from spmd.parallel.buckets import FIRST_BUCKET_BYTES
@@ -32,8 +31,10 @@ class DistributedDataParallel(nn.Module):
     gradients. Each ``param.grad`` is a view into its bucket's flat buffer
     (torch's ``gradient_as_bucket_view=True``, always on here: no copy back).
 
-    Differences from ``torch.nn.parallel.DistributedDataParallel``: options
-    after ``module`` are keyword-only; ``state_dict()`` has no ``module.``
+    Takes torch's parameters in torch's order (``DDP(model, [rank])`` ports
+    unchanged). Differences from ``torch.nn.parallel.DistributedDataParallel``:
+    ``process_group`` may be a spmd group or a torch group of backend
+    ``"spmd"``; ``state_dict()`` has no ``module.``
     prefix and ``load_state_dict`` accepts keys with or without it; a
     parameter that got no gradient is an error at the end of that backward
     (naming it), not at the next forward; ``register_comm_hook`` also takes a
@@ -46,18 +47,51 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        *,
-        process_group: ProcessGroup | None = None,
-        bucket_cap_mb: float | None = None,
-        find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
-        init_sync: bool = True,
-        gradient_as_bucket_view: bool = True,
         device_ids: Sequence[Any] | None = None,
         output_device: Any = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = True,
+        init_sync: bool = True,
+        process_group: Any = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: Any = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
-        del gradient_as_bucket_view, device_ids, output_device  # accepted for torch compatibility
+        # torch's parameters, in torch's order, so ``DDP(model, [rank])`` ports unchanged. device_ids,
+        # output_device and dim place a single-device module (one device per process here);
+        # check_reduction is deprecated in torch too; static_graph and batched_grad_copy are
+        # optimisations this reducer does not need for correct results; gradient_as_bucket_view
+        # is always on. Those that change what DDP computes are refused, by name.
+        del device_ids, output_device, dim, check_reduction, gradient_as_bucket_view, static_graph, batched_grad_copy
+        refused = {
+            "delay_all_reduce_named_params": delay_all_reduce_named_params,
+            "param_to_hook_all_reduce": param_to_hook_all_reduce,
+            "mixed_precision": mixed_precision,
+            "device_mesh": device_mesh,
+            "bucket_cap_mb_list": bucket_cap_mb_list,
+        }
+        given = [name for name, value in refused.items() if value is not None]
+        given += ["skip_all_reduce_unused_params"] if skip_all_reduce_unused_params else []
+        if given:
+            raise SpmdError(
+                f"spmd's DistributedDataParallel does not implement {', '.join(given)}; for mixed precision use "
+                "register_comm_hook(None, 'bf16') or spmd.parallel.fully_shard(mp_policy=...), for a mesh pass "
+                "process_group=mesh.get_group(dim)"
+            )
+        if forward_sync_buffers is not None:
+            broadcast_buffers = forward_sync_buffers
+        broadcast_buffers = True if broadcast_buffers is None else broadcast_buffers
         self.module = module
         self.process_group = resolve_group(process_group)
         self.broadcast_buffers = broadcast_buffers

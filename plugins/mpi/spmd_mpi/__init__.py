@@ -48,6 +48,17 @@ def _capabilities() -> frozenset[str]:
     return MpiBackend.native_ops()
 
 
+def priority() -> int:
+    """20 (above Gloo's 10) in a process that mpiexec started, else 5 (below it).
+
+    One rule picks the default everywhere (``spmd doctor``, ``python script.py``,
+    ``spmd run``): the highest-priority usable backend. So Gloo is the CPU
+    default, as the README says, and MPI only where MPI's launcher started the
+    ranks (there its native collectives are what the user asked for).
+    """
+    return 20 if probe.launched_by_mpi() else 5
+
+
 @spmd.hookimpl
 def spmd_backends() -> Iterable[spmd.BackendSpec]:
     return [
@@ -55,7 +66,7 @@ def spmd_backends() -> Iterable[spmd.BackendSpec]:
             name="mpi",
             devices=("cpu",),
             factory=_factory,
-            priority=20,  # above gloo: spmd.init() under mpiexec picks MPI
+            priority=priority(),
             available=_available,
             capabilities=_capabilities(),
             description=probe.describe(),

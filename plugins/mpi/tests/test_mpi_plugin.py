@@ -34,8 +34,15 @@ def test_plugin_is_installed_with_every_collective_native():
     assert info.distribution == "spmd-mpi" and info.loaded
     spec = backends().get("mpi").spec
     assert spec.devices == ("cpu",)
-    assert spec.priority > backends().get("gloo").spec.priority
+    assert spec.priority < backends().get("gloo").spec.priority  # Gloo is the CPU default outside mpiexec
     assert spec.native_ops() == frozenset(COLLECTIVE_OPS)
+
+
+def test_mpi_is_the_default_only_under_mpiexec():
+    """One rule (the highest-priority usable backend) gives Gloo in a plain process and MPI under mpiexec."""
+    code = "from spmd.comm.registry import backends; print('DEFAULT', backends().for_device('cpu').spec.name)"
+    assert "DEFAULT gloo" in _run(code).stdout
+    assert "DEFAULT mpi" in _run(code, env={"PMI_RANK": "0", "PMI_SIZE": "1"}).stdout
 
 
 def test_spmd_plugins_lists_mpi():
@@ -106,8 +113,7 @@ def test_available_only_where_mpi_can_run_the_job(monkeypatch, env, usable):
         pytest.skip("mpi4py or libmpi is missing here")
     reason = backends().get("mpi").spec.unavailable_reason()
     if usable:
-        assert reason is None
-        assert backends().for_device("cpu").spec.name == "mpi"
+        assert reason is None  # which backend is the default: test_mpi_is_the_default_only_under_mpiexec
     else:
         assert reason is not None and "mpiexec -n N" in reason
         assert backends().for_device("cpu").spec.name == "gloo"  # spmd.init() falls back

@@ -515,12 +515,14 @@ def bench_all_reduce(sizes: list[int], rounds: int = 3, target_s: float = 0.15) 
     if not tdist.is_initialized():
         store = tdist.PrefixStore("bench/torch-nccl/", get_state().store)
         tdist.init_process_group("nccl", store=store, rank=rank, world_size=n, device_id=device)
+    # Under spmd's torch interop the default group is spmd's own: compare with torch's NCCL group.
+    nccl = None if tdist.get_backend() == "nccl" else tdist.new_group(backend="nccl", device_id=device)
     rows = []
     for size in sizes:
         numel = max(1, size // 4)
         buf = torch.zeros(numel, device=device)
         spmd.all_reduce(buf)
-        tdist.all_reduce(buf)
+        tdist.all_reduce(buf, group=nccl)
         comm = get_state().world.backend("cuda").communicator  # type: ignore[attr-defined]
         lib, ptr = comm.lib, buf.data_ptr()
 
@@ -531,7 +533,7 @@ def bench_all_reduce(sizes: list[int], rounds: int = 3, target_s: float = 0.15) 
             return spmd.all_reduce(buf)
 
         def theirs(buf: torch.Tensor = buf) -> object:
-            return tdist.all_reduce(buf)
+            return tdist.all_reduce(buf, group=nccl)
 
         result = raw()
         if result != 0:

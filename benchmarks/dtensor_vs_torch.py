@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
-    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=300)
+    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=300, torch_interop=False)
     tdist.init_process_group("gloo", store=tdist.PrefixStore("torch/", store), rank=rank, world_size=world,
                              timeout=timedelta(seconds=300))
     results = {}

@@ -47,10 +47,26 @@ def spmd_backends() -> Iterable[Any]:
 def spmd_sharding_rules() -> Mapping[Any, Any]:
     """Return sharding rules for DTensor operators.
 
-    Signature: ``spmd_sharding_rules() -> Mapping[torch._ops.OpOverload, Rule]``.
-    Called: the first time a DTensor op is dispatched, on every rank.
-    Returns: a mapping from an aten op overload to the rule that propagates
-    placements through it. A second rule for one op is a conflict.
+    Signature: ``spmd_sharding_rules() -> Mapping[torch._ops.OpOverload | OpOverloadPacket,
+    spmd.tensor.Rule | spmd.tensor.Decompose]`` (a packet covers all its overloads).
+    Called: the first time a DTensor op is dispatched (and by ``spmd plugins``), on every rank.
+
+    A rule is ``rule(call: spmd.tensor.OpCall) -> spmd.tensor.Sharding`` and
+    decides ONE mesh dimension at a time: ``call.inputs`` holds a TensorArg
+    (global shape, dtype, ``placement`` on this mesh dimension, ``placements``
+    on all) per DTensor argument, ``call.outputs`` the outputs' global shapes
+    (from the op on meta tensors: the op needs a meta/fake kernel),
+    ``call.args``/``call.kwargs`` the arguments with DTensors replaced by
+    TensorArgs. It returns ``Sharding(inputs=[placement per DTensor input],
+    outputs=[placement per tensor output], rewrite=None)``; spmd redistributes
+    the inputs, runs the op on the local shards and wraps the outputs.
+    Results are cached per signature, so a rule must be a pure function of
+    the call. ``spmd.tensor.Decompose(fn)`` instead runs ``fn(*args, **kwargs)``
+    on the DTensors themselves. Ready rules: ``spmd.tensor.pointwise_rule``,
+    ``linear_pointwise_rule``, ``replicate_rule``. Check a rule with
+    ``spmd.testing.rules.check_sharding``. Two plugins with a rule for one op
+    is an error naming both. The standard rules are the builtin plugin
+    ``spmd.tensor.rules``; docs/dtensor.md has a worked example.
     """
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 _active: list[CommDebugMode] = []
-#: The aten op being dispatched, set by the DTensor dispatcher while it runs.
-current_op: list[str] = []
+#: The aten op being dispatched, set by the DTensor dispatcher while it runs (named only when recorded).
+current_op: list[Any] = []
 
 
 @dataclass
@@ -57,7 +57,7 @@ class CommDebugMode:
             module = "(backward)"
         else:
             module = self._stack[-1] if self._stack else "(global)"
-        op = current_op[-1] if current_op else "(redistribute)"
+        op = str(current_op[-1]) if current_op else "(redistribute)"
         entry = self.per_module[module][(collective, op)]
         entry.calls += 1
         entry.bytes += nbytes

@@ -148,7 +148,7 @@ def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
 
 def _execute(func: Any, plan: Plan, flat: list[Any], layout: list[Any], positions: list[int]) -> Any:
     local = list(flat)
-    debug.current_op.append(str(func))
+    debug.current_op.append(func)
     try:
         for target, pos in zip(plan.targets, positions):
             dt = flat[pos]

@@ -49,12 +49,28 @@ def _tables() -> tuple[dict[Any, Any], dict[Any, str]]:
     return cached[1], cached[2]
 
 
+_resolved: dict[Any, Any] = {}
+_resolved_for: object = None
+
+
 def lookup(op: torch._ops.OpOverload) -> Any:
-    """The rule for ``op`` (an overload's own rule first, then its packet's), or None."""
+    """The rule for ``op`` (an overload's own rule first, then its packet's), or None; memoised per op."""
+    global _resolved_for
+    from spmd import plugins
+
+    if _resolved_for is not plugins._manager:  # plugins were (re)loaded: resolve afresh
+        _resolved.clear()
+        _resolved_for = plugins._manager
+    try:
+        return _resolved[op]
+    except KeyError:
+        pass
     rules = _tables()[0]
+    _resolved_for = plugins._manager
     rule = rules.get(op)
     if rule is None:
         rule = rules.get(op.overloadpacket)
+    _resolved[op] = rule
     return rule
 
 

@@ -19,8 +19,26 @@ from spmd.parallel.comm_hooks import (
 )
 from spmd.parallel.ddp import DistributedDataParallel
 from spmd.parallel.registry import StrategyNotFoundError, StrategySpec, get_strategy, strategy_names
+from spmd.parallel.tp import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 __all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "loss_parallel",
+    "parallelize_module",
     "CommHook",
     "DistributedDataParallel",
     "GradBucket",

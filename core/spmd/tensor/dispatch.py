@@ -52,6 +52,8 @@ class Plan:
 
 _cache: dict[Any, Plan] = {}
 _warned: set[str] = set()
+#: Ops taken over by an active context (``loss_parallel``): op -> fn(*args, **kwargs), checked before the rules.
+overrides: dict[Any, Any] = {}
 
 
 # -- flattening (one level of lists is all aten schemas use) ------------------------------------------
@@ -104,7 +106,20 @@ def _unflatten(flat: list[Any], layout: list[Any]) -> tuple[tuple, dict]:
 
 def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
     """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``)."""
-    rule = registry.lookup(func)
+    if overrides:
+        override = overrides.get(func)
+        if override is not None:
+            return override(*args, **kwargs)
+    return dispatch_by_rule(func, args, kwargs)
+
+
+def dispatch_by_rule(func: torch._ops.OpOverload, args: tuple, kwargs: dict, rule: Any = None) -> Any:
+    """``dispatch`` without the context overrides: ``rule``, else the op's registered rule (or the fallback).
+
+    A ``Decompose`` that handles only some layouts passes the rest on here with a plain rule.
+    """
+    if rule is None:
+        rule = registry.lookup(func)
     if type(rule) is Decompose:
         return rule.fn(*args, **kwargs)
     flat, layout = _flatten(args, kwargs)

@@ -124,7 +124,7 @@ def _aligned(arg: TensorArg, out_ndim: int, out_shape: tuple[int, ...], dim: int
     """The dimension of ``arg`` that broadcasts to output dimension ``dim``, or None if it is broadcast."""
     offset = out_ndim - arg.ndim
     d = dim - offset
-    if d < 0 or (arg.shape[d] == 1 and out_shape[dim] != 1):
+    if d < 0 or d >= arg.ndim or (arg.shape[d] == 1 and out_shape[dim] != 1):
         return None
     return d
 
@@ -135,6 +135,8 @@ def _elementwise(call: OpCall, linear: bool) -> Sharding:
     n_out = len(call.outputs)
     if out is None:
         return Sharding([REPLICATE] * len(inputs), [])
+    if any(a.ndim > out.ndim for a in inputs):  # not a broadcasting elementwise call: compute on whole tensors
+        return Sharding([REPLICATE] * len(inputs), [REPLICATE] * n_out)
     in_place = call.op._schema.is_mutable and bool(inputs)
     driver_order = [inputs[0]] if in_place else list(inputs)
     # 1. a shard on a dimension that maps onto the output wins

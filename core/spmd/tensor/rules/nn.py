@@ -49,10 +49,11 @@ def layer_norm_backward_rule(call: OpCall) -> Sharding:
     n_in = len(call.inputs)
     n_out = len(call.outputs)
     batch = grad.ndim - normalized
+    mask = list(call.arg(7, "output_mask", [True, True, True]))
     if isinstance(p, Shard) and p.dim < batch:
         wanted = [p, p, p, p] + [R] * (n_in - 4)
-        outs = [p] + [Partial()] * (n_out - 1)
-        return Sharding(wanted, outs)
+        every: list[Placement] = [p, Partial(), Partial()]  # outputs left out by output_mask are None
+        return Sharding(wanted, [q for q, present in zip(every, mask) if present][:n_out])
     return Sharding([R] * n_in, [R] * n_out)
 
 
@@ -64,6 +65,34 @@ def embedding_rule(call: OpCall) -> Sharding:
     if weight.placement == Shard(1):
         return Sharding([weight.placement, R], [Shard(indices.ndim)])
     return Sharding([R, R], [R])
+
+
+def _embedding(weight: Any, indices: Any, *rest: Any) -> Any:
+    """Vocabulary-parallel embedding (weight rows sharded on one mesh dim, indices replicated): each rank
+    looks up the rows it holds, zeros the others, and the result is a partial sum. Other layouts: the rule."""
+    from spmd.tensor.dispatch import dispatch_by_rule
+    from spmd.tensor.dtensor import DTensor
+    from spmd.tensor.spec import DTensorSpec, contiguous_stride, local_shape_and_offset
+
+    spec = weight._spec if isinstance(weight, DTensor) else None
+    row_dims = [m for m, p in enumerate(spec.placements) if p == Shard(0)] if spec else []
+    replicated_indices = isinstance(indices, DTensor) and all(isinstance(p, Replicate) for p in indices.placements)
+    if spec is None or len(row_dims) != 1 or not replicated_indices or rest and rest[0] != -1 or any(
+        not isinstance(p, Replicate) for m, p in enumerate(spec.placements) if m != row_dims[0]
+    ):
+        return dispatch_by_rule(aten.embedding.default, (weight, indices, *rest), {}, embedding_rule)
+    shape, offset = local_shape_and_offset(spec.shape, spec.mesh, spec.placements)
+    ids = indices._local_tensor
+    here = (ids >= offset[0]) & (ids < offset[0] + shape[0])
+    local_ids = (ids - offset[0]).clamp(0, max(shape[0] - 1, 0))
+    rows = weight._local_tensor
+    if shape[0]:
+        out = aten.embedding.default(rows, local_ids) * here.unsqueeze(-1).to(rows.dtype)
+    else:
+        out = rows.new_zeros((*ids.shape, spec.shape[1]))
+    placements = tuple(Partial() if m == row_dims[0] else R for m in range(spec.mesh.ndim))
+    out_shape = tuple(out.shape)
+    return DTensor(out, DTensorSpec(spec.mesh, placements, out_shape, contiguous_stride(out_shape), out.dtype))
 
 
 def embedding_backward_rule(call: OpCall) -> Sharding:
@@ -163,7 +192,7 @@ def rules() -> dict[Any, Any]:
         aten._log_softmax_backward_data.default: softmax_rule,
         aten.native_layer_norm.default: layer_norm_rule,
         aten.native_layer_norm_backward.default: layer_norm_backward_rule,
-        aten.embedding.default: embedding_rule,
+        aten.embedding.default: Decompose(_embedding),
         aten.embedding_dense_backward.default: embedding_backward_rule,
         aten.nll_loss_forward.default: Decompose(_nll_loss_forward),
         aten.nll_loss_backward.default: nll_loss_backward_rule,

@@ -1,0 +1,67 @@
+"""parallelize_module: apply tensor-parallel styles to a module's submodules by (wildcard) name.
+
+    parallelize_module(model, mesh["tp"], {
+        "embed": RowwiseParallel(),
+        "layers.*.mlp.fc1": ColwiseParallel(),
+        "layers.*.mlp.fc2": "rowwise",               # a style by its registered name
+    })
+
+A plan value is a ``ParallelStyle`` or the name of one registered through
+``spmd_strategies`` as ``StrategySpec("tp.<name>", apply=StyleClass)`` (the
+builtin names: colwise, rowwise, sequence); keys are dotted module names where
+each part may be an ``fnmatch`` pattern (``*``, ``?``, ``[ab]``), as torch
+accepts. Works in place and returns the module.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from typing import Any
+
+from torch import nn
+
+from spmd.mesh import DeviceMesh
+from spmd.parallel.tp.style import ParallelStyle
+
+STYLE_PREFIX = "tp."
+
+
+def resolve_style(style: Any) -> Any:
+    """A style object, or the registered style called ``style`` (an instance with default options)."""
+    if isinstance(style, str):
+        from spmd.parallel.registry import get_strategy
+
+        return get_strategy(STYLE_PREFIX + style).apply()
+    if not hasattr(style, "apply"):
+        raise TypeError(
+            f"parallelize_module: {style!r} is not a parallel style; pass a spmd.parallel.ParallelStyle "
+            "(ColwiseParallel(), ...) or a registered style's name"
+        )
+    return style
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts, atoms = name.split("."), pattern.split(".")
+    return len(parts) == len(atoms) and all(fnmatch(p, a) for p, a in zip(parts, atoms))
+
+
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_plan: Any = None) -> nn.Module:
+    """Apply ``parallelize_plan`` (one style for ``module`` itself, or a dict from module names to styles)."""
+    if parallelize_plan is None:
+        return module
+    if isinstance(parallelize_plan, (ParallelStyle, str)) or hasattr(parallelize_plan, "apply"):
+        return resolve_style(parallelize_plan).apply(module, device_mesh)
+    if not isinstance(parallelize_plan, dict):
+        raise TypeError(f"parallelize_module: the plan must be a style or a dict of module names to styles, got {type(parallelize_plan).__name__}")
+    named = dict(module.named_modules())
+    for pattern, style in parallelize_plan.items():
+        found = [name for name in named if name and _matches(name, pattern)]
+        if not found:
+            raise ValueError(
+                f"parallelize_module: plan key {pattern!r} matches no submodule of {type(module).__name__}; "
+                f"its submodules include {[n for n in named if n][:8]}"
+            )
+        resolved = resolve_style(style)
+        for name in found:
+            resolved.apply(named[name], device_mesh)
+    return module

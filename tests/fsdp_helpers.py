@@ -10,7 +10,12 @@ from torch import nn
 from torch.nn import functional as F
 
 import spmd
-from spmd.parallel import MixedPrecisionPolicy, fully_shard, get_full_state_dict, load_full_state_dict
+from spmd.parallel import (
+    MixedPrecisionPolicy,
+    fully_shard,
+    get_full_state_dict,
+    load_full_state_dict,
+)
 from spmd.tensor import CommDebugMode, DTensor
 
 IN, D, OUT, BATCH = 6, 10, 5, 4

@@ -90,7 +90,7 @@ def fully_shard(
         module.__dict__[name] = getattr(handle, name)
     module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward)
-    module._register_load_state_dict_pre_hook(load_full_tensors_pre_hook(unit))
+    module.register_load_state_dict_pre_hook(load_full_tensors_pre_hook(unit))
     return module
 
 

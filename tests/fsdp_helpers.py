@@ -16,6 +16,7 @@ from spmd.parallel import (
     get_full_state_dict,
     load_full_state_dict,
 )
+from spmd.parallel.fsdp import clip_grad_norm_
 from spmd.tensor import CommDebugMode, DTensor
 
 IN, D, OUT, BATCH = 6, 10, 5, 4
@@ -192,5 +193,9 @@ def unshard_and_strategy() -> dict[str, Any]:
         ref_grads[name] = p.grad
     spmd_grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     # Each rank used its own batch of the same data here, so the average is the reference gradient.
-    return {"units": len(units), "state": state, "after": model.blocks[0]._spmd_fsdp_unit.state,
-            "grads": all(torch.allclose(spmd_grads[k], ref_grads[k], atol=1e-6) for k in ref_grads)}
+    grads = all(torch.allclose(spmd_grads[k], ref_grads[k], atol=1e-6) for k in ref_grads)
+    norm = clip_grad_norm_(model.parameters(), 0.05)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    clipped = all(torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-7) for p, q in zip(model.parameters(), ref.parameters()))
+    return {"units": len(units), "state": state, "after": model.blocks[0]._spmd_fsdp_unit.state, "grads": grads,
+            "norm": (norm.item(), ref_norm.item()), "clipped": clipped}

@@ -7,7 +7,9 @@ from typing import Any
 
 from torch import nn
 
+from spmd.comm.group import ProcessGroup
 from spmd.comm.init import get_world_size
+from spmd.comm.state import resolve_group
 from spmd.errors import SpmdError
 from spmd.mesh import DeviceMesh, init_device_mesh
 from spmd.parallel.fsdp.policy import MixedPrecisionPolicy
@@ -75,7 +77,7 @@ def fully_shard(
         raise SpmdError(f"fully_shard: {type(module).__name__} is already sharded; apply fully_shard once per module")
     if mesh is None:
         device = next((p.device.type for p in module.parameters()), "cpu")
-        mesh = init_device_mesh(device, (get_world_size(),))
+        mesh = _default_mesh(device)
     if isinstance(reshard_after_forward, bool):
         reshard = reshard_after_forward
     elif isinstance(reshard_after_forward, int):
@@ -92,6 +94,20 @@ def fully_shard(
     module.register_forward_hook(_post_forward)
     module.register_load_state_dict_pre_hook(load_full_tensors_pre_hook(unit))
     return module
+
+
+#: The default 1-D mesh per device type, and the world group it was made in: every unit sharded
+#: without mesh= shares its groups (one backend connection set, not one per unit); a new world
+#: (after destroy_process_group and init) gets a new mesh.
+_default_meshes: dict[str, tuple[ProcessGroup, DeviceMesh]] = {}
+
+
+def _default_mesh(device: str) -> DeviceMesh:
+    world = resolve_group(None)
+    cached = _default_meshes.get(device)
+    if cached is None or cached[0] is not world:
+        cached = _default_meshes[device] = (world, init_device_mesh(device, (get_world_size(),)))
+    return cached[1]
 
 
 def _managed_parameters(module: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], dict[int, list[tuple[nn.Module, str]]]]:

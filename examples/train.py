@@ -1,6 +1,7 @@
-"""Train a character-level transformer language model with spmd DDP.
+"""Train a character-level transformer language model with spmd DDP or FSDP.
 
     spmd run --nproc-per-node 2 examples/train.py
+    spmd run --nproc-per-node 2 examples/train.py --strategy fsdp   # sharded: fully_shard per block, then the model
     spmd run --nproc-per-node 2 examples/train.py --steps 400 --batch-size 32 --out checkpoints/lm.pt
     python examples/train.py                          # a world of one
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc-per-node 2 examples/train.py   # torchrun works too
@@ -8,7 +9,10 @@
 The corpus is generated deterministically (English-like sentences from a small
 grammar; ``--data FILE`` trains on a text file instead). Each rank trains on
 its own contiguous shard of the training text; DDP averages the gradients, so
-the ranks keep one model. Rank 0 shows a progress bar with the per-step loss
+the ranks keep one model. ``--strategy fsdp`` shards each block and the rest
+of the model over the ranks instead (``spmd.parallel.fully_shard``): the same
+loss curve as DDP up to float rounding, with a fraction of the parameter and
+optimizer memory per rank. Rank 0 shows a progress bar with the per-step loss
 and the global throughput (tokens/s), prints the loss every ``--log-every``
 steps and the validation loss at the end, samples some text, and saves the
 final state dict (plain keys, loadable into ``CharGPT``) to ``--out``.
@@ -29,12 +33,14 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 import spmd
-from spmd.parallel import DistributedDataParallel
+from spmd.parallel import DistributedDataParallel, fully_shard, get_full_state_dict
+from spmd.parallel.fsdp import clip_grad_norm_
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="data parallel or fully sharded")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per rank per step")
     parser.add_argument("--context", type=int, default=64, help="characters per sequence")
     parser.add_argument("--d-model", type=int, default=128)
@@ -87,15 +93,25 @@ def main() -> None:
     shard = train.chunk(world)[rank]
     generator = torch.Generator().manual_seed(args.seed + 1000 * (rank + 1))
 
-    # -- model: built the same way everywhere; DDP broadcasts rank 0's weights --
+    # -- model: built the same way everywhere; DDP broadcasts rank 0's weights, FSDP keeps each rank's rows --
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=tokenizer.vocab_size, context=args.context, d_model=args.d_model,
                     n_layers=args.layers, n_heads=args.heads)
-    model = DistributedDataParallel(CharGPT(cfg))
+    model: torch.nn.Module
+    if args.strategy == "fsdp":
+        model = CharGPT(cfg)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        clip = clip_grad_norm_  # one scalar all-reduce; torch's clip_grad_norm_ would gather every gradient
+    else:
+        model = DistributedDataParallel(CharGPT(cfg))
+        clip = torch.nn.utils.clip_grad_norm_
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     n_params = sum(p.numel() for p in model.parameters())
     if leader:
-        print(f"world {world} ({spmd.get_backend()}), {n_params / 1e6:.2f} M parameters, vocab {tokenizer.vocab_size}, "
+        print(f"world {world} ({spmd.get_backend()}, {args.strategy}), {n_params / 1e6:.2f} M parameters, "
+              f"vocab {tokenizer.vocab_size}, "
               f"{shard.numel()} training characters per rank, {args.batch_size}x{args.context} tokens per rank per step",
               flush=True)
 
@@ -110,8 +126,8 @@ def main() -> None:
         x, y = random_windows(shard, args.batch_size, args.context, generator)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # returns with gradients averaged over the ranks
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss.backward()  # returns with gradients averaged over the ranks (FSDP: each rank's rows of them)
+        clip(model.parameters(), 1.0)
         optimizer.step()
         last_loss = loss.item()  # this rank's loss on its own batch
         if step == 0:
@@ -125,15 +141,19 @@ def main() -> None:
     elapsed = time.perf_counter() - start
 
     val_loss = evaluate(model, val, args)
+    # Plain keys, loadable into CharGPT; with FSDP every rank takes part in gathering, rank 0 keeps the result.
+    state = get_full_state_dict(model) if args.strategy == "fsdp" else model.state_dict()
     if leader:
         print(f"done: {args.steps} steps in {elapsed:.1f} s, {tokens_per_step * args.steps / elapsed:,.0f} tok/s; "
               f"loss {first_loss:.3f} -> {last_loss:.3f} (uniform guess: {math.log(tokenizer.vocab_size):.3f}), "
               f"validation loss {val_loss:.3f}")
         prompt = tokenizer.encode("The ")
-        sample = model.module.generate(prompt, 120, generator=torch.Generator().manual_seed(args.seed))
+        plain = CharGPT(cfg)
+        plain.load_state_dict(state)  # generate on rank 0 alone: a sharded model would need every rank
+        sample = plain.generate(prompt, 120, generator=torch.Generator().manual_seed(args.seed))
         print("sample:", tokenizer.decode(sample).replace("\n", " / "))
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(model.state_dict(), args.out)  # plain keys: CharGPT(cfg).load_state_dict(...) reads it
+        torch.save(state, args.out)  # plain keys: CharGPT(cfg).load_state_dict(...) reads it
         print(f"saved {args.out}")
     spmd.destroy_process_group()
 

@@ -1,10 +1,11 @@
-"""Parallelism strategies: the strategy registry and the builtin DistributedDataParallel.
+"""Parallelism strategies: the strategy registry, the builtin DistributedDataParallel and fully_shard (FSDP).
 
     import spmd
     from spmd.parallel import DistributedDataParallel as DDP
 
     spmd.init()
     model = DDP(model)                        # or spmd.parallel.get_strategy("ddp").apply(model)
+    fully_shard(block); fully_shard(model)    # or spmd.parallel.get_strategy("fsdp").apply(model)
 """
 
 from spmd.parallel.buckets import GradBucket
@@ -18,6 +19,13 @@ from spmd.parallel.comm_hooks import (
     register_hook,
 )
 from spmd.parallel.ddp import DistributedDataParallel
+from spmd.parallel.fsdp import (
+    MixedPrecisionPolicy,
+    fully_shard,
+    get_full_state_dict,
+    is_fully_sharded,
+    load_full_state_dict,
+)
 from spmd.parallel.registry import StrategyNotFoundError, StrategySpec, get_strategy, strategy_names
 from spmd.parallel.tp import (
     ColwiseParallel,
@@ -42,14 +50,19 @@ __all__ = [
     "CommHook",
     "DistributedDataParallel",
     "GradBucket",
+    "MixedPrecisionPolicy",
     "StrategyNotFoundError",
     "StrategySpec",
     "allreduce_hook",
     "bf16_compress_hook",
     "fp16_compress_hook",
+    "fully_shard",
+    "get_full_state_dict",
     "get_hook",
     "get_strategy",
     "hook_names",
+    "is_fully_sharded",
+    "load_full_state_dict",
     "register_hook",
     "strategy_names",
 ]

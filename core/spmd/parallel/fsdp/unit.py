@@ -1,0 +1,225 @@
+"""FSDPUnit: one ``fully_shard``-ed module's parameters, their flat shard, and the unit's collectives.
+
+A unit owns the parameters of its module that no inner ``fully_shard``-ed
+module owns. Their rows (``torch.chunk`` on dim 0) live in one flat shard
+buffer per rank; each parameter is an ``nn.Parameter`` wrapping a DTensor
+(``Shard(0)``, or ``(Replicate(), Shard(0))`` on a 2-D mesh) whose local
+tensor is a view of that buffer, so the optimizer updates the buffer in
+place and the all-gather reads it without a copy (without mixed precision).
+Unsharding is one ``all_gather_into_tensor`` of the whole unit and one copy
+into the parameter-major unsharded buffer; the gradient reduction is one
+``reduce_scatter_tensor`` (plus, with HSDP, one ``all_reduce`` over the
+replicate dimension).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from spmd.comm import collectives
+from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.work import Work
+from spmd.errors import SpmdError
+from spmd.mesh import DeviceMesh
+from spmd.parallel.fsdp.layout import FlatLayout
+from spmd.parallel.fsdp.policy import MixedPrecisionPolicy
+from spmd.tensor import debug
+from spmd.tensor.dtensor import DTensor
+from spmd.tensor.placements import Placement, Replicate, Shard
+from spmd.tensor.spec import DTensorSpec, contiguous_stride
+
+SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
+
+
+@dataclass
+class PendingReduce:
+    """A reduce-scatter in flight: the unit, its Work, and the buffers it writes and reads."""
+
+    unit: FSDPUnit
+    work: Work
+    out: torch.Tensor
+    inp: torch.Tensor
+
+
+class FSDPUnit:
+    """The sharded parameters of one module and the collectives that unshard them and reduce their gradients."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        named: list[tuple[str, nn.Parameter]],
+        owners: dict[int, list[tuple[nn.Module, str]]],
+        mesh: DeviceMesh,
+        reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy,
+    ) -> None:
+        if mesh.ndim not in (1, 2):
+            raise SpmdError(f"fully_shard: the mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh}")
+        self.module = module
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.shard_group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.world = self.shard_group.size
+        self.rank = self.shard_group.rank
+        self.dp_size = mesh.size()
+        self.placements: tuple[Placement, ...] = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+        self.names = [name for name, _ in named]
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) > 1:
+            raise SpmdError(f"fully_shard({type(module).__name__}): its parameters mix dtypes {sorted(map(str, dtypes))}; "
+                            "give each dtype its own fully_shard-ed submodule")
+        for name, p in named:
+            if p.ndim == 0:
+                raise SpmdError(f"fully_shard: parameter {name!r} is a scalar; dim 0 cannot be sharded (make it shape (1,))")
+            if isinstance(p, DTensor):
+                raise SpmdError(f"fully_shard: parameter {name!r} is already a DTensor; apply fully_shard once per module")
+        self.dtype: torch.dtype = dtypes.pop() if dtypes else torch.float32
+        self.compute_dtype = mp_policy.compute_dtype(self.dtype)
+        self.reduce_dtype = mp_policy.gradient_dtype(self.dtype)
+        self.layout = FlatLayout([tuple(p.shape) for _, p in named], self.world)
+        device = named[0][1].device if named else torch.device(mesh.device_type)
+        self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        self.specs: list[DTensorSpec] = []
+        self.params: list[nn.Parameter] = []
+        self.owners: list[list[tuple[nn.Module, str]]] = []
+        with torch.no_grad():
+            for index, (_name, p) in enumerate(named):
+                local = self.layout.local_view(self.flat_shard, index, self.rank)
+                start = self.layout.row_offset(index, self.rank)
+                local.copy_(p.detach().narrow(0, start, local.shape[0]))
+                shape = tuple(p.shape)
+                spec = DTensorSpec(mesh, self.placements, shape, contiguous_stride(shape), self.dtype)
+                sharded = nn.Parameter(DTensor(local, spec), requires_grad=p.requires_grad)
+                if sharded._local_tensor.data_ptr() != local.data_ptr() and local.numel():  # type: ignore[attr-defined]
+                    raise SpmdError("fully_shard: nn.Parameter copied the DTensor's local shard; the flat shard would go stale")
+                self.specs.append(spec)
+                self.params.append(sharded)
+                self.owners.append(owners[id(p)])
+                for owner, attr in owners[id(p)]:
+                    owner._parameters[attr] = sharded
+        self.full = torch.empty(self.layout.full_numel, dtype=self.compute_dtype, device=device)
+        self.full_views = self.layout.full_views(self.full)
+        self._free_full()
+        self.state = SHARDED
+        self._gather: tuple[Work, torch.Tensor, torch.Tensor] | None = None
+        self._accumulated: torch.Tensor | None = None  # unsharded gradients kept while sync is off
+        self.requires_gradient_sync = True
+        self.forward_prefetch: list[FSDPUnit] | None = None  # None: the next unit in forward order
+        self.backward_prefetch: list[FSDPUnit] | None = None  # None: the previous unit in forward order
+        self.root: Any = None  # the FSDPRoot that drives this unit, set on the root's first forward
+        self.grad_params = [i for i, p in enumerate(self.params) if p.requires_grad]
+        self.dummy = torch.empty(0, requires_grad=True)  # gives the views' autograd node an input
+
+    # -- unshard / reshard -------------------------------------------------------------
+    def _free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def unshard(self) -> None:
+        """Start the unit's all-gather (async); a no-op when it is unsharded or on its way."""
+        if self.state != SHARDED:
+            return
+        send = self.flat_shard if self.compute_dtype == self.dtype else self.flat_shard.to(self.compute_dtype)
+        gathered = torch.empty(self.world * self.layout.shard_numel, dtype=self.compute_dtype, device=send.device)
+        debug.record("all_gather", gathered.numel() * gathered.element_size(), self.shard_group)
+        work = collectives.all_gather_into_tensor(gathered, send, group=self.shard_group, async_op=True)
+        assert work is not None
+        self._gather = (work, gathered, send)
+        self.state = GATHERING
+
+    def wait_unshard(self) -> None:
+        """Finish the all-gather and fill the unsharded buffer (that the parameter views read)."""
+        if self.state == SHARDED:
+            self.unshard()
+        if self.state != GATHERING:
+            return
+        assert self._gather is not None
+        work, gathered, _send = self._gather
+        self._gather = None
+        work.wait()
+        storage = self.full.untyped_storage()
+        storage.resize_(self.layout.full_numel * self.full.element_size())
+        # Autograd saved views of this buffer in an earlier forward: refilling it is not a modification they must see.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
+            self.layout.copy_out(gathered, self.full)
+        self.state = UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters (the sharded ones always stay)."""
+        if self.state == GATHERING:
+            self.wait_unshard()
+        if self.state == UNSHARDED:
+            self._free_full()
+        self.state = SHARDED
+
+    # -- gradients -----------------------------------------------------------------------
+    def reduce_gradients(self, grads: tuple[torch.Tensor | None, ...]) -> PendingReduce | None:
+        """Take the unit's unsharded gradients (one per parameter that requires grad; None: zero).
+
+        With gradient sync off they are added to a local unsharded accumulator;
+        otherwise (with anything accumulated) they start one async reduce-scatter,
+        pre-divided by the data-parallel size so the result is the average.
+        """
+        full: list[torch.Tensor | None] = [None] * len(self.params)
+        for index, grad in zip(self.grad_params, grads):
+            full[index] = grad
+        if not self.requires_gradient_sync or self._accumulated is not None:
+            if self._accumulated is None:
+                self._accumulated = torch.zeros(self.layout.full_numel, dtype=self.dtype, device=self.flat_shard.device)
+            views = self.layout.full_views(self._accumulated)
+            for view, grad in zip(views, full):
+                if grad is not None:
+                    view.add_(grad)
+            if not self.requires_gradient_sync:
+                return None
+            full = list(views)
+            self._accumulated = None
+        inp = torch.empty(self.world * self.layout.shard_numel, dtype=self.reduce_dtype, device=self.flat_shard.device)
+        self.layout.copy_in(full, inp)
+        if self.dp_size > 1:
+            inp.div_(self.dp_size)
+        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=inp.device)
+        debug.record("reduce_scatter", inp.numel() * inp.element_size(), self.shard_group)
+        work = collectives.reduce_scatter_tensor(out, inp, op=ReduceOp.SUM, group=self.shard_group, async_op=True)
+        assert work is not None
+        return PendingReduce(self, work, out, inp)
+
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        """Wait for the reduce-scatter (and HSDP's all-reduce), then set or add the sharded ``.grad``s."""
+        pending.work.wait()
+        out = pending.out
+        if self.replicate_group is not None and self.replicate_group.size > 1:
+            debug.record("all_reduce", out.numel() * out.element_size(), self.replicate_group)
+            collectives.all_reduce(out, op=ReduceOp.SUM, group=self.replicate_group)
+        if out.dtype != self.dtype:
+            out = out.to(self.dtype)
+        for index in self.grad_params:
+            param = self.params[index]
+            local = self.layout.local_view(out, index, self.rank)
+            if param.grad is None:
+                param.grad = DTensor(local, self.specs[index])
+            else:
+                param.grad._local_tensor.add_(local)  # type: ignore[attr-defined]
+
+    # -- the module's attributes during forward -------------------------------------------
+    def install(self, views: list[torch.Tensor]) -> None:
+        """Point the modules' parameter attributes at the unsharded views (shadowing the sharded parameters)."""
+        for owners, view in zip(self.owners, views):
+            for owner, attr in owners:
+                owner.__dict__[attr] = view
+
+    def uninstall(self) -> None:
+        """The modules' parameter attributes are the sharded parameters again."""
+        for owners in self.owners:
+            for owner, attr in owners:
+                owner.__dict__.pop(attr, None)
+
+    def __repr__(self) -> str:
+        n = sum(math.prod(s.shape) for s in self.layout.slots)
+        return f"FSDPUnit({type(self.module).__name__}, {len(self.params)} parameters, {n} elements, {self.state})"

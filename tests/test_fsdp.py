@@ -1,0 +1,105 @@
+"""fully_shard on 2 and 4 real ranks against a single-process reference trained on the whole batch."""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import fsdp_helpers as h
+import pytest
+import torch
+
+from spmd.tensor.placements import chunk_sizes
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LOSS_TOL, PARAM_TOL = 1e-5, 1e-5
+
+
+def _check(results, loss_tol=LOSS_TOL, param_tol=PARAM_TOL, world=None):
+    for rank, r in enumerate(results):
+        for ours, ref in zip(r["losses"], r["ref_losses"]):
+            assert math.isclose(ours, ref, rel_tol=loss_tol, abs_tol=loss_tol), (rank, r["losses"], r["ref_losses"])
+        assert r["keys"], rank
+        assert r["max_param_diff"] < param_tol, (rank, r["diffs"])
+        assert r["grads_none"]
+        if world:
+            for name, (rows, total) in r["local_rows"].items():  # torch.chunk's rows, at most ceil(total / world)
+                assert rows == chunk_sizes(total, world)[rank] <= -(-total // world), (name, rank, rows)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_adamw_steps_match_single_process_reference(spmd_world, world):
+    _check(spmd_world(world, "gloo").run(h.train_against_reference, (world,), timeout=300), world=world)
+
+
+def test_without_reshard_after_forward(spmd_world):
+    _check(spmd_world(2, "gloo").run(h.train_against_reference, (2,), reshard_after_forward=False, timeout=300))
+
+
+def test_gradient_accumulation_without_sync(spmd_world):
+    _check(spmd_world(2, "gloo").run(h.train_against_reference, (2,), accumulate=3, timeout=300))
+
+
+def test_hsdp_on_a_2x2_mesh(spmd_world):
+    _check(spmd_world(4, "gloo").run(h.train_against_reference, (2, 2), timeout=300))
+
+
+def test_bf16_mixed_precision_against_bf16_reference(spmd_world):
+    _check(spmd_world(2, "gloo").run(h.train_against_reference, (2,), param_dtype=torch.bfloat16, timeout=300),
+           loss_tol=2e-2, param_tol=3e-2)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_one_all_gather_per_unit_per_forward(spmd_world, reshard):
+    for r in spmd_world(2, "gloo").run(h.count_collectives, reshard, timeout=120):
+        for fwd, bwd in r["counts"]:
+            assert fwd == {"all_gather": 4}  # 3 blocks and the root, one flat all-gather each
+            # backward gathers again what forward freed (the blocks; never the root) and reduces each unit once
+            assert bwd == ({"all_gather": 3, "reduce_scatter": 4} if reshard else {"reduce_scatter": 4})
+        assert r["eval"] == {"all_gather": 4}
+        assert r["states"] == ["sharded"] * 4
+
+
+def test_state_dict_round_trips(spmd_world):
+    for rank, r in enumerate(spmd_world(2, "gloo").run(h.state_dict_round_trips, timeout=120)):
+        assert r["kinds"] == ["DTensor"]
+        assert r["b"] and r["c"] and r["d"] and r["plain"] and r["shards_are_views"]
+        assert r["rank0_keys"] == (22 if rank == 0 else 0)
+
+
+def test_unshard_reshard_prefetch_lists_and_strategy_by_name(spmd_world):
+    for r in spmd_world(2, "gloo").run(h.unshard_and_strategy, timeout=120):
+        assert r["units"] == 4
+        assert r["state"] == "unsharded" and r["after"] == "sharded"
+        assert r["grads"]
+        assert math.isclose(*r["norm"], rel_tol=1e-5) and r["norm"][1] > 0.05 and r["clipped"]
+
+
+def _train(strategy: str, port: int, out) -> list[str]:
+    args = ["--steps", "6", "--d-model", "32", "--layers", "2", "--heads", "2", "--batch-size", "4",
+            "--corpus-chars", "20000", "--out", str(out), "--log-every", "1", "--strategy", strategy]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "examples" / "train.py"), *args],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    return [line.split("lr")[0] for line in outputs[0].splitlines() if line.startswith("step")]
+
+
+def test_train_example_fsdp_follows_ddp_loss_curve(tmp_path):
+    """examples/train.py --strategy fsdp prints DDP's losses (4 decimals) and saves a plain state dict."""
+    curves = {}
+    for strategy in ("ddp", "fsdp"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        curves[strategy] = _train(strategy, port, tmp_path / f"{strategy}.pt")
+    assert len(curves["fsdp"]) == 6 and curves["fsdp"] == curves["ddp"], curves
+    ddp, fsdp = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "fsdp.pt")
+    assert ddp.keys() == fsdp.keys() and all(type(v) is torch.Tensor for v in fsdp.values())
+    assert max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp) < 1e-5

@@ -83,7 +83,9 @@ class Block(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)  # three projections, not one fused: tensor parallel
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)  # then splits the heads across ranks (see train.py --tp)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
@@ -91,9 +93,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, d // self.n_heads).unbind(2)
+        h = self.ln1(x)
+        q, k, v = (proj(h).view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for proj in (self.q, self.k, self.v))
         attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            q, k, v, is_causal=True,
             dropout_p=self.dropout if self.training else 0.0,
         )
         x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))

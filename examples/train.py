@@ -1,7 +1,9 @@
-"""Train a character-level transformer language model with spmd DDP or FSDP.
+"""Train a character-level transformer language model with spmd DDP, FSDP or tensor parallelism.
 
     spmd run --nproc-per-node 2 examples/train.py
     spmd run --nproc-per-node 2 examples/train.py --strategy fsdp   # sharded: fully_shard per block, then the model
+    spmd run --nproc-per-node 2 examples/train.py --tp 2          # tensor parallel: heads and MLP split over 2 ranks
+    spmd run --nproc-per-node 4 examples/train.py --tp 2          # 2-D: tensor parallel 2 x data parallel 2
     spmd run --nproc-per-node 2 examples/train.py --steps 400 --batch-size 32 --out checkpoints/lm.pt
     python examples/train.py                          # a world of one
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc-per-node 2 examples/train.py   # torchrun works too
@@ -12,7 +14,10 @@ its own contiguous shard of the training text; DDP averages the gradients, so
 the ranks keep one model. ``--strategy fsdp`` shards each block and the rest
 of the model over the ranks instead (``spmd.parallel.fully_shard``): the same
 loss curve as DDP up to float rounding, with a fraction of the parameter and
-optimizer memory per rank. Rank 0 shows a progress bar with the per-step loss
+optimizer memory per rank. ``--tp N`` splits attention heads, MLPs and the
+vocabulary of the output layer over N ranks (``parallelize_module``; the
+cross-entropy runs on vocabulary-sharded logits under ``loss_parallel``) and
+keeps world/N data-parallel replicas of that. Rank 0 shows a progress bar with the per-step loss
 and the global throughput (tokens/s), prints the loss every ``--log-every``
 steps and the validation loss at the end, samples some text, and saves the
 final state dict (plain keys, loadable into ``CharGPT``) to ``--out``.
@@ -25,6 +30,7 @@ import argparse
 import math
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -33,14 +39,27 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 import spmd
-from spmd.parallel import DistributedDataParallel, fully_shard, get_full_state_dict
-from spmd.parallel.fsdp import clip_grad_norm_
+from spmd import Replicate
+from spmd.parallel import (
+    ColwiseParallel,
+    DistributedDataParallel,
+    RowwiseParallel,
+    clip_grad_norm_,
+    fully_shard,
+    get_full_state_dict,
+    loss_parallel,
+    parallelize_module,
+)
+from spmd.tensor import DTensor
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="data parallel or fully sharded")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree: heads and MLP split over this many ranks (a divisor of the world "
+                             "and of --heads); the other ranks hold data-parallel replicas")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per rank per step")
     parser.add_argument("--context", type=int, default=64, help="characters per sequence")
     parser.add_argument("--d-model", type=int, default=128)
@@ -63,15 +82,53 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+TP_PLAN = {
+    # heads split across the tensor-parallel ranks: q/k/v keep DTensor outputs, so Block.forward's
+    # view(b, t, n_heads, head_dim) runs unchanged with the global head count
+    "blocks.*.q": ColwiseParallel(use_local_output=False),
+    "blocks.*.k": ColwiseParallel(use_local_output=False),
+    "blocks.*.v": ColwiseParallel(use_local_output=False),
+    "blocks.*.proj": RowwiseParallel(),
+    "blocks.*.mlp.0": ColwiseParallel(),
+    "blocks.*.mlp.2": RowwiseParallel(),
+    "head": ColwiseParallel(use_local_output=False),  # logits stay sharded over the vocabulary: loss_parallel
+}
+
+
+def compute_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, tp_mesh: spmd.DeviceMesh | None) -> torch.Tensor:
+    """Next-character cross-entropy; with tensor parallelism call it inside ``loss_parallel()``."""
+    logits = model(x).flatten(0, 1)
+    if tp_mesh is None:
+        return F.cross_entropy(logits, y.flatten())
+    return F.cross_entropy(logits, DTensor.from_local(y.flatten(), tp_mesh, [Replicate()]))
+
+
+def as_plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (anything else unchanged)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespace, batches: int = 8) -> float:
+def average_gradients(model: torch.nn.Module, group: spmd.ProcessGroup) -> None:
+    """Average every gradient's local part over ``group`` (data parallel beside tensor parallel), in one all-reduce."""
+    grads = [as_plain(p.grad) for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    spmd.all_reduce(flat, op=spmd.ReduceOp.AVG, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespace, batches: int = 8,
+             tp_mesh: spmd.DeviceMesh | None = None) -> float:
     """Mean validation loss on this rank's fixed windows, averaged over the ranks."""
     model.eval()
     generator = torch.Generator().manual_seed(args.seed + 1)
     total = torch.zeros(1)
     for _ in range(batches):
         x, y = random_windows(data, args.batch_size, args.context, generator)
-        total += F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with loss_parallel() if tp_mesh is not None else nullcontext():
+            total += as_plain(compute_loss(model, x, y, tp_mesh))
     model.train()
     spmd.all_reduce(total, op=spmd.ReduceOp.AVG)
     return total.item() / batches
@@ -90,15 +147,26 @@ def main() -> None:
     ids = tokenizer.encode(text)
     split = int(0.9 * ids.numel())
     train, val = ids[:split], ids[split:]
-    shard = train.chunk(world)[rank]
-    generator = torch.Generator().manual_seed(args.seed + 1000 * (rank + 1))
+    if world % args.tp or args.heads % args.tp:
+        raise SystemExit(f"--tp {args.tp} must divide the world size {world} and --heads {args.heads}")
+    if args.tp > 1 and args.strategy == "fsdp":
+        raise SystemExit("--tp with --strategy fsdp is not supported yet (FSDP of tensor-parallel parameters needs "
+                         "strided sharding); use --tp with the default data-parallel strategy")
+    mesh = spmd.init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp")) if args.tp > 1 else None
+    tp_mesh = mesh["tp"] if mesh is not None else None
+    replica, replicas = (mesh.get_local_rank("dp"), mesh.size("dp")) if mesh is not None else (rank, world)
+    shard = train.chunk(replicas)[replica]  # the ranks of one tensor-parallel group see the same batch
+    generator = torch.Generator().manual_seed(args.seed + 1000 * (replica + 1))
 
     # -- model: built the same way everywhere; DDP broadcasts rank 0's weights, FSDP keeps each rank's rows --
     torch.manual_seed(args.seed)
     cfg = GPTConfig(vocab_size=tokenizer.vocab_size, context=args.context, d_model=args.d_model,
                     n_layers=args.layers, n_heads=args.heads)
     model: torch.nn.Module
-    if args.strategy == "fsdp":
+    if mesh is not None:
+        model = parallelize_module(CharGPT(cfg), mesh["tp"], TP_PLAN)
+        clip = clip_grad_norm_  # one scalar all-reduce per sharding group
+    elif args.strategy == "fsdp":
         model = CharGPT(cfg)
         for block in model.blocks:
             fully_shard(block)
@@ -110,12 +178,13 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     n_params = sum(p.numel() for p in model.parameters())
     if leader:
-        print(f"world {world} ({spmd.get_backend()}, {args.strategy}), {n_params / 1e6:.2f} M parameters, "
+        layout = f"tensor parallel {args.tp} x data parallel {replicas}" if mesh is not None else args.strategy
+        print(f"world {world} ({spmd.get_backend()}, {layout}), {n_params / 1e6:.2f} M parameters, "
               f"vocab {tokenizer.vocab_size}, "
               f"{shard.numel()} training characters per rank, {args.batch_size}x{args.context} tokens per rank per step",
               flush=True)
 
-    tokens_per_step = world * args.batch_size * args.context
+    tokens_per_step = replicas * args.batch_size * args.context
     bar = tqdm(total=args.steps, disable=not leader, unit="step", dynamic_ncols=True)
     first_loss = last_loss = float("nan")
     start = time.perf_counter()
@@ -124,12 +193,15 @@ def main() -> None:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
         x, y = random_windows(shard, args.batch_size, args.context, generator)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # returns with gradients averaged over the ranks (FSDP: each rank's rows of them)
+        with loss_parallel() if tp_mesh is not None else nullcontext():
+            loss = compute_loss(model, x, y, tp_mesh)
+            loss.backward()  # returns with gradients averaged over the ranks (FSDP: each rank's rows of them)
+        if mesh is not None and replicas > 1:
+            average_gradients(model, mesh.get_group("dp"))
         clip(model.parameters(), 1.0)
         optimizer.step()
-        last_loss = loss.item()  # this rank's loss on its own batch
+        last_loss = as_plain(loss).item()  # this rank's loss on its own batch
         if step == 0:
             first_loss = last_loss
         tokens_per_s = tokens_per_step / (time.perf_counter() - step_start)
@@ -140,9 +212,12 @@ def main() -> None:
     bar.close()
     elapsed = time.perf_counter() - start
 
-    val_loss = evaluate(model, val, args)
+    val_loss = evaluate(model, val, args, tp_mesh=tp_mesh)
     # Plain keys, loadable into CharGPT; with FSDP every rank takes part in gathering, rank 0 keeps the result.
-    state = get_full_state_dict(model) if args.strategy == "fsdp" else model.state_dict()
+    if mesh is not None:
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    else:
+        state = get_full_state_dict(model) if args.strategy == "fsdp" else model.state_dict()
     if leader:
         print(f"done: {args.steps} steps in {elapsed:.1f} s, {tokens_per_step * args.steps / elapsed:,.0f} tok/s; "
               f"loss {first_loss:.3f} -> {last_loss:.3f} (uniform guess: {math.log(tokenizer.vocab_size):.3f}), "

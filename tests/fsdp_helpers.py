@@ -12,11 +12,11 @@ from torch.nn import functional as F
 import spmd
 from spmd.parallel import (
     MixedPrecisionPolicy,
+    clip_grad_norm_,
     fully_shard,
     get_full_state_dict,
     load_full_state_dict,
 )
-from spmd.parallel.fsdp import clip_grad_norm_
 from spmd.tensor import CommDebugMode, DTensor
 
 IN, D, OUT, BATCH = 6, 10, 5, 4

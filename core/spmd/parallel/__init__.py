@@ -26,6 +26,7 @@ from spmd.parallel.fsdp import (
     is_fully_sharded,
     load_full_state_dict,
 )
+from spmd.parallel.grad_norm import clip_grad_norm_
 from spmd.parallel.registry import StrategyNotFoundError, StrategySpec, get_strategy, strategy_names
 from spmd.parallel.tp import (
     ColwiseParallel,
@@ -39,6 +40,7 @@ from spmd.parallel.tp import (
 )
 
 __all__ = [
+    "clip_grad_norm_",
     "ColwiseParallel",
     "ParallelStyle",
     "PrepareModuleInput",

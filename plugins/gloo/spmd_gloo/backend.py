@@ -10,6 +10,7 @@ dtype it lacks) fall back to the generic algorithms over Gloo send/recv.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -138,7 +139,7 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 def _rows_as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A (rows, elements-or-bytes per row) view, so row splits stay row splits."""
     rows = tensor.shape[0] if tensor.dim() else 1
-    shaped = tensor.reshape(rows, -1)
+    shaped = tensor.reshape(rows, math.prod(tensor.shape[1:]))  # not -1: an empty tensor has no inferable width
     return shaped if tensor.dtype in _GLOO_DATA_DTYPES else shaped.view(torch.uint8)
 
 
@@ -246,8 +247,6 @@ class GlooBackend(Backend):
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
     ) -> Work:
-        if output.numel() == 0 and input.numel() == 0:
-            return super().all_to_all_single(output, input, output_split_sizes, input_split_sizes)
         out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
         equal = min(out_splits) == max(out_splits) and min(in_splits) == max(in_splits)
         if equal and input.dtype in _GLOO_DATA_DTYPES:  # equal row splits are equal element splits: no views

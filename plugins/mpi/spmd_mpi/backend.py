@@ -64,7 +64,7 @@ class MpiBackend(Backend):
         self._isend, self._irecv = comm.Isend, comm.Irecv
         self._iallreduce, self._ireduce, self._ibcast = comm.Iallreduce, comm.Ireduce, comm.Ibcast
         self._iallgather, self._ireduce_scatter_block = comm.Iallgather, comm.Ireduce_scatter_block
-        self._ialltoall, self._ialltoallv = comm.Ialltoall, comm.Ialltoallv
+        self._ialltoallv = comm.Ialltoallv
         self._igather, self._iscatter, self._ibarrier = comm.Igather, comm.Iscatter, comm.Ibarrier
 
     # -- buffers ---------------------------------------------------------------------
@@ -197,10 +197,9 @@ class MpiBackend(Backend):
         buffer = self._buffer
         out_data = buffer(output.data_ptr(), output.nbytes)
         in_data = buffer(input.data_ptr(), input.nbytes)
-        if _even(input_split_sizes) and _even(output_split_sizes):
-            if input.numel() == 0 and output.numel() == 0:
-                return Work.completed()  # even splits: every rank's tensors are empty alike
-            return MpiWork(self._ialltoall(in_data, out_data), (output, input), None, max(input.nbytes, output.nbytes))
+        # Always MPI_Ialltoallv: whether one rank's splits happen to be even says nothing about its
+        # peers', and MPI_Ialltoall on one rank against MPI_Ialltoallv on another never matches (a rank
+        # with nothing to exchange must still take part).
         in_rows = input.shape[0] if input.dim() else input.numel()
         out_rows = output.shape[0] if output.dim() else output.numel()
         if in_rows:
@@ -244,10 +243,6 @@ class MpiBackend(Backend):
             except mpi.Exception:  # pragma: no cover - nothing useful to do at teardown
                 pass
 
-
-def _even(splits: Sequence[int]) -> bool:
-    """True when every rank gets the same number of rows (``Ialltoall`` needs no counts)."""
-    return not splits or splits.count(splits[0]) == len(splits)
 
 
 def _counts(splits: Sequence[int], row_bytes: int) -> tuple[list[int], list[int]]:

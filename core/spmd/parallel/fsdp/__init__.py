@@ -11,18 +11,16 @@ Modules: ``policy`` (MixedPrecisionPolicy), ``layout`` (where each parameter
 lies in the flat shard and the unsharded buffer), ``unit`` (one module's
 shards and collectives), ``autograd`` (the backward hooks), ``root`` (order,
 prefetching, pending reductions, end of backward), ``api`` (``fully_shard``),
-``state_dict`` (full state dicts), ``grad_norm`` (clip_grad_norm_ on shards).
+``state_dict`` (full state dicts). ``spmd.parallel.clip_grad_norm_`` clips sharded gradients.
 """
 
 from spmd.parallel.fsdp.api import UnshardHandle, fully_shard, is_fully_sharded
-from spmd.parallel.fsdp.grad_norm import clip_grad_norm_
 from spmd.parallel.fsdp.policy import MixedPrecisionPolicy
 from spmd.parallel.fsdp.state_dict import get_full_state_dict, load_full_state_dict
 
 __all__ = [
     "MixedPrecisionPolicy",
     "UnshardHandle",
-    "clip_grad_norm_",
     "fully_shard",
     "get_full_state_dict",
     "is_fully_sharded",

@@ -211,18 +211,24 @@ def _uneven_splits(n: int) -> list[list[int]]:
     return [[(i + 2 * j) % 3 for j in range(n)] for i in range(n)]
 
 
+def _idle_splits(n: int) -> list[list[int]]:
+    """Rank 0 sends and receives nothing while the others exchange rows (every rank must still take part)."""
+    return [[0 if 0 in (i, j) else (i + j) % 3 + 1 for j in range(n)] for i in range(n)]
+
+
 def check_all_to_all_single(g: ProcessGroup, rec: Recorder) -> None:
     n, r = g.size, g.rank
-    for dtype, uneven, noncontig in itertools.product(DATA_DTYPES, (False, True), (False, True)):
-        key = f"all_to_all_single/{dtype}/uneven={uneven}/noncontig={noncontig}"
-        splits = _uneven_splits(n) if uneven else [[2] * n for _ in range(n)]
+    for dtype, pattern, noncontig in itertools.product(DATA_DTYPES, ("even", "uneven", "idle"), (False, True)):
+        key = f"all_to_all_single/{dtype}/{pattern}/noncontig={noncontig}"
+        uneven = pattern != "even"
+        splits = {"even": [[2] * n for _ in range(n)], "uneven": _uneven_splits(n), "idle": _idle_splits(n)}[pattern]
         inputs = [make_input(i, key, (sum(splits[i]), 4), dtype) for i in range(n)]
         blocks = [list(inputs[i].split(splits[i])) for i in range(n)]
         expected = torch.cat([blocks[j][r] for j in range(n)])
 
         def body(async_op: bool, inputs=inputs, splits=splits, expected=expected, key=key, uneven=uneven, noncontig=noncontig) -> None:  # type: ignore[no-untyped-def]
             out = torch.zeros_like(expected)
-            mine = strided(inputs[r]) if noncontig else inputs[r]
+            mine = strided(inputs[r]) if noncontig and inputs[r].numel() else inputs[r]
             in_splits = splits[r] if uneven else None
             out_splits = [splits[j][r] for j in range(n)] if uneven else None
             _done(spmd.all_to_all_single(out, mine, out_splits, in_splits, group=g, async_op=async_op))

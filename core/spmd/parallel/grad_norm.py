@@ -10,7 +10,7 @@ import torch
 from spmd.comm import collectives
 from spmd.comm.reduce_op import ReduceOp
 from spmd.tensor.dtensor import DTensor
-from spmd.tensor.placements import Shard
+from spmd.tensor.placements import Partial, Replicate, Shard
 
 
 @torch.no_grad()
@@ -19,28 +19,39 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
 
     ``torch.nn.utils.clip_grad_norm_`` also works on FSDP's DTensor gradients,
     but through DTensor's fallback (every gradient gathered in full). This sums
-    each rank's local ``|g|^p`` and all-reduces that one scalar over the mesh
-    dimensions the gradients are sharded on (HSDP replicas hold equal shards).
+    each rank's local ``|g|^p`` per set of sharding groups and all-reduces those
+    scalars over the groups the gradients are sharded on (replicas hold equal
+    shards), so plain, replicated, FSDP- and TP-sharded gradients mix freely.
     Only finite ``norm_type`` (not inf).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    local = torch.zeros((), dtype=torch.float64)
+    # One partial sum per set of sharding groups: a gradient sharded over groups A and B counts once
+    # after all-reducing over A and B; a plain or replicated gradient is whole on every rank already.
+    sums: dict[tuple[tuple[int, ...], ...], torch.Tensor] = {}
     groups: dict[tuple[int, ...], Any] = {}
     for g in grads:
+        key: tuple[tuple[int, ...], ...] = ()
         if isinstance(g, DTensor):
+            if any(isinstance(p, Partial) for p in g.placements):  # |g|^p of a summand is not a summand of |g|^p
+                g = g.redistribute(g.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in g.placements])
             part = g._local_tensor
             for mesh_dim, placement in enumerate(g.placements):
                 if isinstance(placement, Shard):
                     group = g.device_mesh.get_group(mesh_dim)
-                    groups[tuple(group.ranks)] = group  # one reduction per set of ranks
+                    groups[tuple(group.ranks)] = group
+                    key += (tuple(group.ranks),)
         else:
             part = g
-        local += part.double().abs().pow(norm_type).sum()
-    for group in groups.values():  # plain gradients are the same on every rank: FSDP gives only DTensors
-        collectives.all_reduce(local, op=ReduceOp.SUM, group=group)
-    total = local.pow(1.0 / norm_type).float()
+        term = part.double().abs().pow(norm_type).sum()
+        sums[key] = sums[key] + term if key in sums else term
+    total_pow = torch.zeros((), dtype=torch.float64)
+    for key, value in sums.items():
+        for ranks in key:  # one scalar all-reduce per group a set of gradients is sharded over
+            collectives.all_reduce(value, op=ReduceOp.SUM, group=groups[ranks])
+        total_pow += value
+    total = total_pow.pow(1.0 / norm_type).float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         target = g._local_tensor if isinstance(g, DTensor) else g

@@ -9,8 +9,10 @@ needs few other edits::
     spmd.all_reduce(t, op=spmd.ReduceOp.SUM)
 """
 
-from spmd import parallel  # noqa: E402 - strategies need the names above
-from spmd import pipeline
+from spmd import (
+    parallel,  # noqa: E402 - strategies need the names above
+    pipeline,
+)
 from spmd.comm.backend import Backend, BackendContext, BackendSpec
 from spmd.comm.collectives import (
     all_gather,

@@ -18,7 +18,6 @@ from spmd.comm.state import resolve_group
 from spmd.comm.work import Work, WorkList
 from spmd.debug.recorder import recorder
 
-
 #: What the current point-to-point ops are for ("RECV_F of stage 2, microbatch 3"), set by ``p2p_context``.
 _context: contextvars.ContextVar[str | None] = contextvars.ContextVar("spmd_p2p_context", default=None)
 

@@ -10,8 +10,20 @@
 See docs/pipeline.md.
 """
 
-from spmd.pipeline.actions import Action, Kind, Programs, format_program, stage_rank, with_communication
-from spmd.pipeline.registry import ScheduleNotFoundError, get_schedule, schedule_names, validated_programs
+from spmd.pipeline.actions import (
+    Action,
+    Kind,
+    Programs,
+    format_program,
+    stage_rank,
+    with_communication,
+)
+from spmd.pipeline.registry import (
+    ScheduleNotFoundError,
+    get_schedule,
+    schedule_names,
+    validated_programs,
+)
 from spmd.pipeline.schedule import Schedule
 from spmd.pipeline.simulate import Event, Simulation, simulate
 from spmd.pipeline.stage import PipelineStage, split_module

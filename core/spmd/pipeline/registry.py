@@ -40,7 +40,7 @@ def _collect(pm: Any) -> dict[str, tuple[type, str]]:
     return entries
 
 
-_cache: tuple[object, dict[str, tuple[type, str]]] | None = None
+_cache: tuple[tuple[object, int], dict[str, tuple[type, str]]] | None = None
 _lock = threading.Lock()
 
 
@@ -50,12 +50,13 @@ def schedules() -> dict[str, tuple[type, str]]:
     from spmd.plugins import manager
 
     pm = manager()
+    key = (pm, len(pm.get_plugins()))  # a plugin registered later (pm.register) is seen at the next lookup
     cached = _cache
-    if cached is None or cached[0] is not pm:
+    if cached is None or cached[0] != key:
         with _lock:
             cached = _cache
-            if cached is None or cached[0] is not pm:
-                cached = (pm, _collect(pm))
+            if cached is None or cached[0] != key:
+                cached = (key, _collect(pm))
                 _cache = cached
     return cached[1]
 

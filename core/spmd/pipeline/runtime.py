@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
+from spmd.comm.collectives import all_reduce
 from spmd.comm.p2p import irecv, isend, p2p_context
+from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import Work
 from spmd.pipeline import microbatch
 from spmd.pipeline.actions import RECVS, SENDS, Action, Kind
@@ -67,12 +69,44 @@ class Runtime:
         last = self.num_stages - 1
         if last in self.stages and loss_fn is None:
             raise ValueError("pipeline schedule: the rank of the last stage needs loss_fn=")
+        self.sync_points = self._data_parallel_sync_points()
+        self.sync_at = {i: s for s, i in self.sync_points.items()}
         self.sent_meta: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
         self.recv_meta: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
         for s in self.stages.values():
             if s.input_meta is not None and s.stage_index > 0:
                 for mb in range(n_microbatches):
                     self.recv_meta[(s.stage_index, mb)] = s.input_meta
+
+    def _data_parallel_sync_points(self) -> dict[int, int]:
+        """For each stage whose module is data parallel (has ``no_sync``), the program index after which to reduce.
+
+        DDP arms its reduction in forward for the next backward, which in a
+        pipeline is some other microbatch's; so every forward runs under
+        ``no_sync()`` and the runtime averages the stage's gradients over
+        DDP's group once, after the stage's last backward (B, or W when split),
+        as one flat all-reduce. DDP's communication hooks are not applied.
+        """
+        points: dict[int, int] = {}
+        for s, stage in self.stages.items():
+            if not hasattr(stage.submod, "no_sync"):
+                continue
+            split = any(a.stage == s and a.kind == Kind.W for a in self.program)
+            kind = Kind.W if split else Kind.B
+            points[s] = max(i for i, a in enumerate(self.program) if a.stage == s and a.kind == kind)
+        return points
+
+    def _reduce_grads(self, stage: PipelineStage) -> None:
+        module = stage.submod
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, op=ReduceOp.AVG, group=module.process_group)  # type: ignore[arg-type]
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     # -- transfers --------------------------------------------------------------------------------
     def _tag(self, a: Action, backward: bool) -> int:
@@ -149,7 +183,11 @@ class Runtime:
             x = (received if received is not None else self.outputs[(s - 1, mb)].detach())
             if x.is_floating_point():
                 x.requires_grad_(True)
-        out = stage.submod(x)
+        if s in self.sync_points:
+            with stage.submod.no_sync():  # type: ignore[operator]
+                out = stage.submod(x)
+        else:
+            out = stage.submod(x)
         if stage.is_last:
             assert self.loss_fn is not None
             self.final_outputs[mb] = out.detach()
@@ -231,6 +269,8 @@ class Runtime:
                     self._backward(a)
                 else:
                     self._weight(a)
+                if i in self.sync_at:
+                    self._reduce_grads(self.stages[self.sync_at[i]])
                 i += 1
             for work in self.sends:
                 work.wait()

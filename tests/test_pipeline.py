@@ -180,3 +180,11 @@ def test_simulator_refuses_an_invalid_program():
     programs[1].remove(Action(1, 0, Kind.RECV_F))
     with pytest.raises(ScheduleError):
         simulate(programs)
+
+
+def test_cli_pipeline_show_prints_the_timeline(capsys, tmp_path):
+    from spmd.cli import main
+
+    assert main(["pipeline", "show", "gpipe", "--stages", "4", "--microbatches", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 3 |" in out and "bubble 27.3%" in out and "F7" in out

@@ -9,7 +9,10 @@ needs few other edits::
     spmd.all_reduce(t, op=spmd.ReduceOp.SUM)
 """
 
-from spmd import parallel  # noqa: E402 - strategies need the names above
+from spmd import (
+    parallel,  # noqa: E402 - strategies need the names above
+    pipeline,
+)
 from spmd.comm.backend import Backend, BackendContext, BackendSpec
 from spmd.comm.collectives import (
     all_gather,
@@ -139,6 +142,7 @@ __all__ = [
     "new_subgroups",
     "new_subgroups_by_enumeration",
     "parallel",
+    "pipeline",
     "recv",
     "recv_object_list",
     "reduce",

@@ -1,4 +1,4 @@
-"""The ``spmd`` command: ``spmd run``, ``spmd plugins``, ``spmd doctor``, ``spmd trace analyze``."""
+"""The ``spmd`` command: ``spmd run``, ``spmd plugins``, ``spmd doctor``, ``spmd trace analyze``, ``spmd pipeline show``."""
 
 from __future__ import annotations
 
@@ -173,6 +173,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     return agent.run(to_config(args))
 
 
+def cmd_pipeline_show(args: argparse.Namespace) -> int:
+    from spmd.pipeline import get_schedule, simulate
+    from spmd.pipeline.show import ascii_timeline, save_picture
+
+    cls = get_schedule(args.schedule)
+    v = args.stages_per_rank or cls.stages_per_rank
+    programs = cls.programs(args.stages * v, v, args.microbatches)
+    costs = {"F": args.f, "B": args.b, "W": args.w}
+    sim = simulate(programs, costs)
+    print(f"{args.schedule}: {args.stages} ranks x {v} stage(s), {args.microbatches} microbatches, costs F={args.f:g} B={args.b:g} W={args.w:g}")
+    print(ascii_timeline(sim, unit=min(c for c in costs.values() if c > 0)))
+    if args.png:
+        save_picture(sim, args.png, args.schedule)
+        print(f"wrote {args.png}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from spmd import __version__
 
@@ -209,6 +226,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     analyze.add_argument("directory", help="the job's SPMD_TRACE_DIR")
     analyze.add_argument("--json", action="store_true", help="machine-readable output")
     analyze.set_defaults(func=cmd_trace_analyze)
+    pipeline = sub.add_parser("pipeline", help="pipeline schedules")
+    pipeline_sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
+    show = pipeline_sub.add_parser("show", help="simulate a schedule and print its timeline")
+    show.add_argument("schedule", help="a registered schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1, ...)")
+    show.add_argument("--stages", type=int, required=True, help="pipeline ranks P")
+    show.add_argument("--microbatches", type=int, required=True, help="microbatches M")
+    show.add_argument("--stages-per-rank", type=int, default=None, help="stages per rank (default: the schedule's)")
+    show.add_argument("--f", type=float, default=1.0, help="cost of a forward")
+    show.add_argument("--b", type=float, default=1.0, help="cost of a backward (input gradient when W is split off)")
+    show.add_argument("--w", type=float, default=1.0, help="cost of a weight-gradient step")
+    show.add_argument("--png", default=None, metavar="FILE", help="also draw the timeline (needs matplotlib)")
+    show.set_defaults(func=cmd_pipeline_show)
     run = sub.add_parser("run", help="launch a training script on N workers per node (torchrun's flags)")
     build_parser(run)
     run.set_defaults(func=cmd_run)

@@ -91,8 +91,14 @@ def spmd_strategies() -> Iterable[Any]:
 def spmd_schedules() -> Iterable[Any]:
     """Return pipeline schedule classes.
 
-    Signature: ``spmd_schedules() -> Iterable[type]``; each class has a unique ``name``.
-    Called: the first time a schedule is looked up by name, on every rank.
+    Signature: ``spmd_schedules() -> Iterable[type[spmd.pipeline.Schedule]]``; each class has a
+    unique str ``name`` and a classmethod ``programs(num_stages, stages_per_rank, n_microbatches)
+    -> {rank: [spmd.pipeline.Action, ...]}`` (stage s on rank s % ranks).
+    Called: the first time a schedule is looked up by name (``spmd.pipeline.get_schedule``), on
+    every rank. Every program is validated once (``spmd.pipeline.validate``) before it runs; two
+    classes with one name are an error unless one sets ``overrides = True``. The builtin plugin
+    ``spmd.pipeline.builtin`` provides ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``zb_h1``;
+    docs/pipeline.md has a worked example.
     """
 
 

@@ -39,7 +39,7 @@ ENV_ENABLE = "SPMD_PLUGINS"
 ENV_BLOCK = "SPMD_BLOCK_PLUGINS"
 
 #: Builtin plugins, registered before any entry point (the way pytest ships its features).
-BUILTIN_PLUGINS = ("spmd.launch.environments", "spmd.parallel.builtin", "spmd.tensor.rules")
+BUILTIN_PLUGINS = ("spmd.launch.environments", "spmd.parallel.builtin", "spmd.pipeline.builtin", "spmd.tensor.rules")
 
 
 @dataclass

@@ -22,7 +22,7 @@ STATES = ("scheduled", "started", "completed", "failed")
 class Entry:
     """One recorded op. ``seq`` is the group's sequence number (-1 for point-to-point)."""
 
-    __slots__ = ("group", "seq", "op", "shapes", "dtypes", "reduce_op", "peer", "t_start", "t_end", "state", "error", "_progress")
+    __slots__ = ("group", "seq", "op", "shapes", "dtypes", "reduce_op", "peer", "t_start", "t_end", "state", "error", "context", "_progress")
 
     def __init__(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any, peer: int | None) -> None:
         self.group, self.seq, self.op = group, seq, op
@@ -38,6 +38,7 @@ class Entry:
         self.t_end: float | None = None
         self.state = "started"
         self.error: str | None = None
+        self.context: str | None = None  # what the op is for, e.g. a pipeline action (spmd.comm.p2p.p2p_context)
         self._progress: list[Any] | None = None  # the group's progress row, set by the recorder
 
     def finish(self, error: BaseException | None) -> None:
@@ -72,6 +73,7 @@ class Entry:
             "t_end": self.t_end,
             "state": self.state,
             "error": self.error,
+            "context": self.context,
         }
 
 

@@ -1,0 +1,286 @@
+"""The one runtime that executes any valid program: compute, batched non-blocking transfers, metadata once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from spmd.comm.collectives import all_reduce
+from spmd.comm.p2p import irecv, isend, p2p_context
+from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.work import Work
+from spmd.pipeline import microbatch
+from spmd.pipeline.actions import RECVS, SENDS, Action, Kind
+from spmd.pipeline.registry import validated_programs
+from spmd.pipeline.stage import PipelineStage
+
+#: dtypes a metadata message can name (index = code).
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+_MAX_DIMS = 8
+_META_TAG = 1 << 23  # tags below are data, from here up metadata
+
+
+def _encode(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+        raise TypeError(f"pipeline: cannot send an activation of dtype {t.dtype} with {t.dim()} dims")
+    meta = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
+    meta[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return meta
+
+
+def _decode(meta: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    values = meta.tolist()
+    return torch.Size(values[2 : 2 + values[1]]), _DTYPES[values[0]]
+
+
+class Runtime:
+    """One rank's executor of a schedule's program over its stages."""
+
+    def __init__(
+        self,
+        cls: type,
+        stages: PipelineStage | Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        scale_grads: bool,
+    ) -> None:
+        stage_list = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not stage_list:
+            raise ValueError("pipeline schedule: give at least one PipelineStage")
+        first = stage_list[0]
+        self.group = first.group
+        self.num_stages = first.num_stages
+        self.world = self.group.size
+        if any(s.group is not self.group or s.num_stages != self.num_stages for s in stage_list):
+            raise ValueError("pipeline schedule: every stage of one rank must have the same group and num_stages")
+        if self.num_stages != len(stage_list) * self.world:
+            raise ValueError(
+                f"pipeline schedule: {len(stage_list)} stage(s) on this rank x {self.world} ranks != {self.num_stages} stages"
+            )
+        self.stages = {s.stage_index: s for s in stage_list}
+        self.m = n_microbatches
+        self.loss_fn = loss_fn
+        self.scale = 1.0 / n_microbatches if scale_grads else 1.0
+        self.program = validated_programs(cls, self.num_stages, len(stage_list), n_microbatches)[self.group.rank]
+        self.split_w = {(a.stage, a.microbatch) for a in self.program if a.kind == Kind.W}
+        last = self.num_stages - 1
+        if last in self.stages and loss_fn is None:
+            raise ValueError("pipeline schedule: the rank of the last stage needs loss_fn=")
+        self.sync_points = self._data_parallel_sync_points()
+        self.sync_at = {i: s for s, i in self.sync_points.items()}
+        self.sent_meta: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
+        self.recv_meta: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
+        for s in self.stages.values():
+            if s.input_meta is not None and s.stage_index > 0:
+                for mb in range(n_microbatches):
+                    self.recv_meta[(s.stage_index, mb)] = s.input_meta
+
+    def _data_parallel_sync_points(self) -> dict[int, int]:
+        """For each stage whose module is data parallel (has ``no_sync``), the program index after which to reduce.
+
+        DDP arms its reduction in forward for the next backward, which in a
+        pipeline is some other microbatch's; so every forward runs under
+        ``no_sync()`` and the runtime averages the stage's gradients over
+        DDP's group once, after the stage's last backward (B, or W when split),
+        as one flat all-reduce. DDP's communication hooks are not applied.
+        """
+        points: dict[int, int] = {}
+        for s, stage in self.stages.items():
+            if not hasattr(stage.submod, "no_sync"):
+                continue
+            split = any(a.stage == s and a.kind == Kind.W for a in self.program)
+            kind = Kind.W if split else Kind.B
+            points[s] = max(i for i, a in enumerate(self.program) if a.stage == s and a.kind == kind)
+        return points
+
+    def _reduce_grads(self, stage: PipelineStage) -> None:
+        module = stage.submod
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce(flat, op=ReduceOp.AVG, group=module.process_group)  # type: ignore[arg-type]
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    # -- transfers --------------------------------------------------------------------------------
+    def _tag(self, a: Action, backward: bool) -> int:
+        """Data tag of a transfer: unique per (lower stage of the pair, microbatch, direction), so order never matters."""
+        return 2 * (a.stage * self.m + a.microbatch) + int(backward)
+
+    def _post(self, batch: list[Action]) -> None:
+        """Start every transfer of a run of consecutive SEND/RECV actions; receives are waited for when used."""
+        g = self.group
+        for a in batch:
+            if a.kind not in SENDS:
+                continue
+            key = (a.stage, a.microbatch)
+            if a.kind == Kind.SEND_F:
+                t = self.outputs[key].detach()
+                dst, tag = (a.stage + 1) % self.world, self._tag(a, False)
+                meta = (t.shape, t.dtype)
+                known = self.sent_meta.get(key)
+                with p2p_context(a.describe()):
+                    if known is None:
+                        self.sent_meta[key] = meta
+                        self.sends.append(isend(_encode(t), group=g, group_dst=dst, tag=_META_TAG + a.stage * self.m + a.microbatch))
+                    elif known != meta:
+                        raise ValueError(
+                            f"pipeline: stage {a.stage}, microbatch {a.microbatch} now outputs {tuple(t.shape)} {t.dtype}, "
+                            f"the first step sent {tuple(known[0])} {known[1]}; keep the batch shape or build a new schedule"
+                        )
+                    self.sends.append(isend(t, group=g, group_dst=dst, tag=tag))
+            else:
+                t = self.input_grads.pop(key)
+                with p2p_context(a.describe()):
+                    self.sends.append(isend(t, group=g, group_dst=(a.stage - 1) % self.world, tag=self._tag(Action(a.stage - 1, a.microbatch, a.kind), True)))
+        metas: list[tuple[Action, torch.Tensor, Work]] = []
+        for a in batch:
+            if a.kind == Kind.RECV_F and (a.stage, a.microbatch) not in self.recv_meta:
+                buf = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
+                with p2p_context(f"{a.describe()} (shape metadata)"):
+                    work = irecv(buf, group=g, group_src=(a.stage - 1) % self.world, tag=_META_TAG + (a.stage - 1) * self.m + a.microbatch)
+                metas.append((a, buf, work))
+        for a, buf, work in metas:
+            work.wait()
+            self.recv_meta[(a.stage, a.microbatch)] = _decode(buf)
+        for a in batch:
+            if a.kind not in RECVS:
+                continue
+            key = (a.stage, a.microbatch)
+            if a.kind == Kind.RECV_F:
+                shape, dtype = self.recv_meta[key]
+                buf = torch.empty(shape, dtype=dtype, device=self.stages[a.stage].device)
+                src, tag = (a.stage - 1) % self.world, self._tag(Action(a.stage - 1, a.microbatch, a.kind), False)
+            else:
+                out = self.outputs[key]
+                buf = torch.empty_like(out)
+                src, tag = (a.stage + 1) % self.world, self._tag(a, True)
+            with p2p_context(a.describe()):
+                self.pending[(a.kind, a.stage, a.microbatch)] = (irecv(buf, group=g, group_src=src, tag=tag), buf)
+
+    def _received(self, kind: Kind, stage: int, mb: int) -> torch.Tensor | None:
+        item = self.pending.pop((kind, stage, mb), None)
+        if item is None:
+            return None
+        work, buf = item
+        work.wait()
+        return buf
+
+    # -- compute ----------------------------------------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        s, mb = a.stage, a.microbatch
+        stage = self.stages[s]
+        if s == 0:
+            x = self.inputs_mb[mb]
+        else:
+            received = self._received(Kind.RECV_F, s, mb)
+            x = (received if received is not None else self.outputs[(s - 1, mb)].detach())
+            if x.is_floating_point():
+                x.requires_grad_(True)
+        if s in self.sync_points:
+            with stage.submod.no_sync():  # type: ignore[operator]
+                out = stage.submod(x)
+        else:
+            out = stage.submod(x)
+        if stage.is_last:
+            assert self.loss_fn is not None
+            self.final_outputs[mb] = out.detach()
+            loss = self.loss_fn(out, self.targets_mb[mb])
+            self.losses[mb] = loss.detach()
+            out = loss * self.scale if self.scale != 1.0 else loss
+        self.inputs[(s, mb)] = x
+        self.outputs[(s, mb)] = out
+
+    def _backward(self, a: Action) -> None:
+        s, mb = a.stage, a.microbatch
+        key = (s, mb)
+        out = self.outputs[key]
+        grad: torch.Tensor | None = None
+        if not self.stages[s].is_last:
+            grad = self._received(Kind.RECV_B, s, mb)
+            if grad is None:
+                grad = self.input_grads.pop((s + 1, mb))
+        x = self.inputs[key]
+        wants_input = s > 0 and x.requires_grad
+        if key in self.split_w:
+            if wants_input:
+                (gx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+                self.input_grads[key] = gx
+            self.weight_work[key] = (out, grad)
+        else:
+            torch.autograd.backward(out, grad)
+            if wants_input:
+                assert x.grad is not None
+                self.input_grads[key] = x.grad
+        del self.outputs[key]
+        if key not in self.split_w:
+            del self.inputs[key]
+
+    def _weight(self, a: Action) -> None:
+        key = (a.stage, a.microbatch)
+        out, grad = self.weight_work.pop(key)
+        params = [p for p in self.stages[a.stage].submod.parameters() if p.requires_grad]
+        if params:
+            torch.autograd.backward(out, grad, inputs=params)
+        del self.inputs[key]
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self, args: Sequence[torch.Tensor], target: torch.Tensor | None, losses: list[torch.Tensor] | None) -> Any:
+        """Run this rank's program once; return the merged outputs on the last stage's rank, else None."""
+        has_first, has_last = 0 in self.stages, self.num_stages - 1 in self.stages
+        if has_first:
+            if len(args) != 1:
+                raise TypeError(f"pipeline step: the rank of stage 0 takes one input tensor, got {len(args)}")
+            self.inputs_mb = microbatch.split(args[0], self.m, "the input")
+        elif args:
+            raise TypeError("pipeline step: only the rank of stage 0 takes an input")
+        if has_last:
+            if target is None:
+                raise TypeError("pipeline step: the rank of the last stage needs target=")
+            self.targets_mb = microbatch.split(target, self.m, "the target")
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.weight_work: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.pending: dict[tuple[Kind, int, int], tuple[Work, torch.Tensor]] = {}
+        self.sends: list[Work] = []
+        self.final_outputs: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        program, i = self.program, 0
+        try:
+            while i < len(program):
+                a = program[i]
+                if a.kind in SENDS or a.kind in RECVS:
+                    j = i
+                    while j < len(program) and (program[j].kind in SENDS or program[j].kind in RECVS):
+                        j += 1
+                    self._post(list(program[i:j]))
+                    i = j
+                    continue
+                if a.kind == Kind.F:
+                    self._forward(a)
+                elif a.kind == Kind.B:
+                    self._backward(a)
+                else:
+                    self._weight(a)
+                if i in self.sync_at:
+                    self._reduce_grads(self.stages[self.sync_at[i]])
+                i += 1
+            for work in self.sends:
+                work.wait()
+        finally:
+            self.sends = []
+            self.inputs_mb = []
+            self.targets_mb = []
+        if not has_last:
+            return None
+        if losses is not None:
+            losses.clear()
+            losses.extend(self.losses[mb] for mb in range(self.m))
+        return microbatch.merge([self.final_outputs[mb] for mb in range(self.m)])

@@ -85,3 +85,10 @@ def test_train_example_tensor_parallel_follows_one_process(tmp_path):
     one, tp = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "tp.pt")
     assert one.keys() == tp.keys() and all(type(v) is torch.Tensor for v in tp.values())
     assert max((one[k] - tp[k]).abs().max().item() for k in one) < 1e-4
+
+
+def test_train_example_two_dimensional_tensor_and_data_parallel(tmp_path):
+    """--tp 2 on 4 ranks (a (2, 2) mesh: tensor parallel x 2 data-parallel replicas) follows DDP on 2 ranks."""
+    ddp = _train(2, [], tmp_path / "ddp.pt")
+    two_d = _train(4, ["--tp", "2"], tmp_path / "2d.pt")
+    assert len(ddp) == 5 and max(abs(a - b) for a, b in zip(ddp, two_d)) < 2e-4, (ddp, two_d)

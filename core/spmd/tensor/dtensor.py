@@ -181,7 +181,9 @@ def distribute_tensor(
 ) -> DTensor:
     """Split ``tensor`` over the mesh by ``placements``, taking the data of mesh rank ``src_data_rank``.
 
-    ``src_data_rank=0`` broadcasts rank 0's tensor first (as torch does), so
+    ``src_data_rank`` counts the mesh's own ranks in row-major order (0 is the
+    mesh's first rank, whatever its world rank). ``src_data_rank=0`` broadcasts
+    that rank's tensor first (as torch does), so
     ranks whose tensors differ still agree; None uses each rank's own tensor.
     The result is a leaf that requires grad if ``tensor`` did.
     """
@@ -194,11 +196,14 @@ def distribute_tensor(
         data = data.clone(memory_format=torch.contiguous_format)
         coordinate = mesh.get_coordinate()
         assert coordinate is not None
-        src_coordinate = (mesh.mesh == src_data_rank).nonzero()
-        if not len(src_coordinate):
-            raise ValueError(f"distribute_tensor: src_data_rank {src_data_rank} is not in the mesh {mesh.mesh.tolist()}")
+        if not 0 <= src_data_rank < mesh.size():
+            raise ValueError(
+                f"distribute_tensor: src_data_rank {src_data_rank} is not a rank of the mesh {mesh.mesh.tolist()} "
+                f"(it counts the mesh's own ranks, 0..{mesh.size() - 1}, as torch's does)"
+            )
+        src_coordinate = torch.unravel_index(torch.tensor(src_data_rank), mesh.shape)
         for mesh_dim in range(mesh.ndim):  # one broadcast per mesh dimension reaches every rank
-            data = comm.broadcast(data, mesh.get_group(mesh_dim), int(src_coordinate[0][mesh_dim]))
+            data = comm.broadcast(data, mesh.get_group(mesh_dim), int(src_coordinate[mesh_dim]))
     shape = tuple(data.shape)
     spec = DTensorSpec(mesh, tuple(Replicate() for _ in normalized), shape, global_stride(data, shape), data.dtype)
     from spmd.tensor.redistribute import redistribute_local

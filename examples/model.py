@@ -130,6 +130,33 @@ class CharGPT(nn.Module):
         return out
 
 
+class Embed(nn.Module):
+    """CharGPT's input end as one layer (token and position embeddings), for pipeline stages."""
+
+    def __init__(self, model: CharGPT) -> None:
+        super().__init__()
+        self.tok, self.pos = model.tok, model.pos
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+
+
+class Head(nn.Module):
+    """CharGPT's output end as one layer (final norm and linear head), for pipeline stages."""
+
+    def __init__(self, model: CharGPT) -> None:
+        super().__init__()
+        self.ln, self.head = model.ln, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(x))
+
+
+def as_layers(model: CharGPT) -> nn.Sequential:
+    """The model as a flat sequence of layers sharing its parameters: embeddings, blocks, head."""
+    return nn.Sequential(Embed(model), *model.blocks, Head(model))
+
+
 def random_windows(data: torch.Tensor, batch: int, context: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch`` random (input, next-character target) windows of length ``context`` from ``data``."""
     starts = torch.randint(0, data.numel() - context - 1, (batch,), generator=generator)

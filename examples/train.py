@@ -4,6 +4,7 @@
     spmd run --nproc-per-node 2 examples/train.py --strategy fsdp   # sharded: fully_shard per block, then the model
     spmd run --nproc-per-node 2 examples/train.py --tp 2          # tensor parallel: heads and MLP split over 2 ranks
     spmd run --nproc-per-node 4 examples/train.py --tp 2          # 2-D: tensor parallel 2 x data parallel 2
+    spmd run --nproc-per-node 2 examples/train.py --pp 2          # pipeline: 2 stages, 1F1B, 4 microbatches
     spmd run --nproc-per-node 2 examples/train.py --steps 400 --batch-size 32 --out checkpoints/lm.pt
     python examples/train.py                          # a world of one
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc-per-node 2 examples/train.py   # torchrun works too
@@ -17,7 +18,9 @@ loss curve as DDP up to float rounding, with a fraction of the parameter and
 optimizer memory per rank. ``--tp N`` splits attention heads, MLPs and the
 vocabulary of the output layer over N ranks (``parallelize_module``; the
 cross-entropy runs on vocabulary-sharded logits under ``loss_parallel``) and
-keeps world/N data-parallel replicas of that. Rank 0 shows a progress bar with the per-step loss
+keeps world/N data-parallel replicas of that. ``--pp N`` cuts embeddings,
+blocks and head into N pipeline stages run by ``--schedule`` (spmd.pipeline).
+Rank 0 shows a progress bar with the per-step loss
 and the global throughput (tokens/s), prints the loss every ``--log-every``
 steps and the validation loss at the end, samples some text, and saves the
 final state dict (plain keys, loadable into ``CharGPT``) to ``--out``.
@@ -34,7 +37,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from model import CharGPT, CharTokenizer, GPTConfig, make_corpus, random_windows
+from model import CharGPT, CharTokenizer, GPTConfig, as_layers, make_corpus, random_windows
 from torch.nn import functional as F
 from tqdm import tqdm
 
@@ -50,6 +53,7 @@ from spmd.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from spmd.pipeline import PipelineStage, get_schedule, split_module
 from spmd.tensor import DTensor
 
 
@@ -60,6 +64,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree: heads and MLP split over this many ranks (a divisor of the world "
                              "and of --heads); the other ranks hold data-parallel replicas")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline stages: embeddings, blocks and head cut into this many stages, one per rank "
+                             "(a divisor of the world); the other ranks hold data-parallel replicas")
+    parser.add_argument("--schedule", default="1f1b", help="pipeline schedule (see `spmd pipeline show NAME`): "
+                        "gpipe, 1f1b, zb_h1, or one a plugin provides")
+    parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches per step")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per rank per step")
     parser.add_argument("--context", type=int, default=64, help="characters per sequence")
     parser.add_argument("--d-model", type=int, default=128)
@@ -103,6 +113,33 @@ def compute_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, tp_me
     return F.cross_entropy(logits, DTensor.from_local(y.flatten(), tp_mesh, [Replicate()]))
 
 
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def clip_across(parameters: list[torch.nn.Parameter], max_norm: float, group: spmd.ProcessGroup) -> None:
+    """clip_grad_norm_ over a model whose parameters are spread over ``group`` (pipeline stages)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    spmd.all_reduce(total, group=group)
+    scale = torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(scale)
+
+
+def gather_stages(full: torch.nn.Module, piece: torch.nn.Module, group: spmd.ProcessGroup) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on the first rank of ``group``, from each stage's parameters."""
+    mine = {id(p) for p in piece.parameters()}
+    owned = {k: v.detach().clone() for k, v in full.named_parameters() if id(v) in mine}
+    pieces: list = [None] * group.size if group.rank == 0 else []
+    spmd.gather_object(owned, pieces if group.rank == 0 else None, group_dst=0, group=group)
+    state = dict(full.state_dict())
+    for part in pieces:
+        state.update(part or {})
+    return state
+
+
 def as_plain(t: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor's value as a plain tensor (anything else unchanged)."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -118,10 +155,25 @@ def average_gradients(model: torch.nn.Module, group: spmd.ProcessGroup) -> None:
         g.copy_(part.view_as(g))
 
 
+def pipeline_step(schedule: object, x: torch.Tensor, y: torch.Tensor, stage_index: int, stages: int,
+                  group: spmd.ProcessGroup) -> torch.Tensor:
+    """One pipeline step (forward and backward of every microbatch); the batch loss on every stage."""
+    losses: list[torch.Tensor] = []
+    if stage_index == 0:
+        schedule.step(x)  # type: ignore[attr-defined]
+    elif stage_index == stages - 1:
+        schedule.step(target=y, losses=losses)  # type: ignore[attr-defined]
+    else:
+        schedule.step()  # type: ignore[attr-defined]
+    loss = torch.stack([part.detach() for part in losses]).mean() if losses else torch.zeros(())
+    spmd.broadcast(loss, group_src=stages - 1, group=group)  # the last stage knows it; rank 0 prints it
+    return loss
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespace, batches: int = 8,
-             tp_mesh: spmd.DeviceMesh | None = None) -> float:
-    """Mean validation loss on this rank's fixed windows, averaged over the ranks."""
+             tp_mesh: spmd.DeviceMesh | None = None, average: bool = True) -> float:
+    """Mean validation loss on this rank's fixed windows, averaged over the ranks (unless not ``average``)."""
     model.eval()
     generator = torch.Generator().manual_seed(args.seed + 1)
     total = torch.zeros(1)
@@ -130,7 +182,8 @@ def evaluate(model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespac
         with loss_parallel() if tp_mesh is not None else nullcontext():
             total += as_plain(compute_loss(model, x, y, tp_mesh))
     model.train()
-    spmd.all_reduce(total, op=spmd.ReduceOp.AVG)
+    if average:
+        spmd.all_reduce(total, op=spmd.ReduceOp.AVG)
     return total.item() / batches
 
 
@@ -149,11 +202,15 @@ def main() -> None:
     train, val = ids[:split], ids[split:]
     if world % args.tp or args.heads % args.tp:
         raise SystemExit(f"--tp {args.tp} must divide the world size {world} and --heads {args.heads}")
+    if world % args.pp or (args.pp > 1 and args.tp > 1) or (args.pp > 1 and args.strategy == "fsdp"):
+        raise SystemExit(f"--pp {args.pp} must divide the world size {world}, with neither --tp nor --strategy fsdp")
     if args.tp > 1 and args.strategy == "fsdp":
         raise SystemExit("--tp with --strategy fsdp is not supported yet (FSDP of tensor-parallel parameters needs "
                          "strided sharding); use --tp with the default data-parallel strategy")
     mesh = spmd.init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp")) if args.tp > 1 else None
-    tp_mesh = mesh["tp"] if mesh is not None else None
+    if args.pp > 1:
+        mesh = spmd.init_device_mesh("cpu", (world // args.pp, args.pp), mesh_dim_names=("dp", "pp"))
+    tp_mesh = mesh["tp"] if args.tp > 1 and mesh is not None else None
     replica, replicas = (mesh.get_local_rank("dp"), mesh.size("dp")) if mesh is not None else (rank, world)
     shard = train.chunk(replicas)[replica]  # the ranks of one tensor-parallel group see the same batch
     generator = torch.Generator().manual_seed(args.seed + 1000 * (replica + 1))
@@ -163,7 +220,16 @@ def main() -> None:
     cfg = GPTConfig(vocab_size=tokenizer.vocab_size, context=args.context, d_model=args.d_model,
                     n_layers=args.layers, n_heads=args.heads)
     model: torch.nn.Module
-    if mesh is not None:
+    full: CharGPT | None = None
+    if args.pp > 1:
+        assert mesh is not None
+        full = CharGPT(cfg)  # every rank builds it alike and keeps its stage's layers
+        stage_index, pp_group = mesh.get_local_rank("pp"), mesh.get_group("pp")
+        model = split_module(as_layers(full), num_stages=args.pp)[stage_index]
+        stage = PipelineStage(model, stage_index, args.pp, "cpu", group=pp_group)
+        schedule = get_schedule(args.schedule)(stage, args.microbatches, loss_fn=lm_loss)
+        clip = lambda params, max_norm: clip_across(list(params), max_norm, pp_group)  # noqa: E731
+    elif mesh is not None:
         model = parallelize_module(CharGPT(cfg), mesh["tp"], TP_PLAN)
         clip = clip_grad_norm_  # one scalar all-reduce per sharding group
     elif args.strategy == "fsdp":
@@ -178,7 +244,12 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     n_params = sum(p.numel() for p in model.parameters())
     if leader:
-        layout = f"tensor parallel {args.tp} x data parallel {replicas}" if mesh is not None else args.strategy
+        layout = args.strategy
+        if mesh is not None:
+            kind = f"tensor parallel {args.tp}" if args.tp > 1 else f"pipeline {args.pp} stages ({args.schedule})"
+            layout = f"{kind} x data parallel {replicas}"
+        if full is not None:
+            n_params = sum(p.numel() for p in full.parameters())
         print(f"world {world} ({spmd.get_backend()}, {layout}), {n_params / 1e6:.2f} M parameters, "
               f"vocab {tokenizer.vocab_size}, "
               f"{shard.numel()} training characters per rank, {args.batch_size}x{args.context} tokens per rank per step",
@@ -194,9 +265,12 @@ def main() -> None:
             group["lr"] = learning_rate(step, args)
         x, y = random_windows(shard, args.batch_size, args.context, generator)
         optimizer.zero_grad(set_to_none=True)
-        with loss_parallel() if tp_mesh is not None else nullcontext():
-            loss = compute_loss(model, x, y, tp_mesh)
-            loss.backward()  # returns with gradients averaged over the ranks (FSDP: each rank's rows of them)
+        if args.pp > 1:
+            loss = pipeline_step(schedule, x, y, stage_index, args.pp, pp_group)
+        else:
+            with loss_parallel() if tp_mesh is not None else nullcontext():
+                loss = compute_loss(model, x, y, tp_mesh)
+                loss.backward()  # returns with gradients averaged over the ranks (FSDP: each rank's rows of them)
         if mesh is not None and replicas > 1:
             average_gradients(model, mesh.get_group("dp"))
         clip(model.parameters(), 1.0)
@@ -212,9 +286,16 @@ def main() -> None:
     bar.close()
     elapsed = time.perf_counter() - start
 
-    val_loss = evaluate(model, val, args, tp_mesh=tp_mesh)
+    if full is not None:  # pipeline: the first rank of each stage group holds the whole model afterwards
+        state = gather_stages(full, model, pp_group)
+        full.load_state_dict(state)
+        val_loss = evaluate(full, val, args, average=False) if leader else float("nan")
+    else:
+        val_loss = evaluate(model, val, args, tp_mesh=tp_mesh)
     # Plain keys, loadable into CharGPT; with FSDP every rank takes part in gathering, rank 0 keeps the result.
-    if mesh is not None:
+    if full is not None:
+        pass  # gathered above
+    elif mesh is not None:
         state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
     else:
         state = get_full_state_dict(model) if args.strategy == "fsdp" else model.state_dict()

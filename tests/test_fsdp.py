@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import math
-import os
-import pathlib
-import socket
-import subprocess
-import sys
 
 import fsdp_helpers as h
 import pytest
 import torch
+from train_runs import run_train
 
 from spmd.tensor.placements import chunk_sizes
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 LOSS_TOL, PARAM_TOL = 1e-5, 1e-5
 
 
@@ -79,26 +74,11 @@ def test_unshard_reshard_prefetch_lists_and_strategy_by_name(spmd_world):
         assert math.isclose(*r["norm"], rel_tol=1e-5) and r["norm"][1] > 0.05 and r["clipped"]
 
 
-def _train(strategy: str, port: int, out) -> list[str]:
-    args = ["--steps", "6", "--d-model", "32", "--layers", "2", "--heads", "2", "--batch-size", "4",
-            "--corpus-chars", "20000", "--out", str(out), "--log-every", "1", "--strategy", strategy]
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "examples" / "train.py"), *args],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    outputs = [p.communicate(timeout=180)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    return [line.split("lr")[0] for line in outputs[0].splitlines() if line.startswith("step")]
-
-
 def test_train_example_fsdp_follows_ddp_loss_curve(tmp_path):
     """examples/train.py --strategy fsdp prints DDP's losses (4 decimals) and saves a plain state dict."""
     curves = {}
     for strategy in ("ddp", "fsdp"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        curves[strategy] = _train(strategy, port, tmp_path / f"{strategy}.pt")
+        curves[strategy] = run_train(2, ["--strategy", strategy], tmp_path / f"{strategy}.pt", steps=6)
     assert len(curves["fsdp"]) == 6 and curves["fsdp"] == curves["ddp"], curves
     ddp, fsdp = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "fsdp.pt")
     assert ddp.keys() == fsdp.keys() and all(type(v) is torch.Tensor for v in fsdp.values())

@@ -188,3 +188,16 @@ def test_cli_pipeline_show_prints_the_timeline(capsys, tmp_path):
     assert main(["pipeline", "show", "gpipe", "--stages", "4", "--microbatches", "8"]) == 0
     out = capsys.readouterr().out
     assert "rank 3 |" in out and "bubble 27.3%" in out and "F7" in out
+
+
+def test_train_example_pipeline_follows_one_process(tmp_path):
+    """examples/train.py --pp 2 (embeddings, blocks and head in two stages, 1F1B, 2 microbatches) trains
+    like one process on the same data, and its saved state dict (gathered from both stages) matches."""
+    import torch
+    from train_runs import losses, run_train
+
+    single = losses(run_train(1, [], tmp_path / "one.pt"))
+    piped = losses(run_train(2, ["--pp", "2", "--microbatches", "2"], tmp_path / "pp.pt"))
+    assert len(single) == 5 and max(abs(a - b) for a, b in zip(single, piped)) < 2e-4, (single, piped)
+    one, pp = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "pp.pt")
+    assert one.keys() == pp.keys() and max((one[k] - pp[k]).abs().max().item() for k in one) < 1e-4

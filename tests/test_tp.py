@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import tp_helpers as h
+from train_runs import losses, run_train
 
 TOL = 1e-5
 
@@ -51,36 +52,13 @@ def test_styles_are_registered_strategies(style):
     assert hasattr(get_strategy(style).apply(), "apply")
 
 
-def _train(world: int, extra: list[str], out) -> list[float]:
-    """examples/train.py as ``world`` ranks; the losses rank 0 printed."""
-    import os
-    import pathlib
-    import socket
-    import subprocess
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = ["--steps", "5", "--d-model", "32", "--layers", "2", "--heads", "2", "--batch-size", "4",
-            "--corpus-chars", "20000", "--out", str(out), "--log-every", "1", *extra]
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(root / "examples" / "train.py"), *args],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * world, outputs
-    return [float(line.split("loss")[1].split()[0]) for line in outputs[0].splitlines() if line.startswith("step")]
-
-
 def test_train_example_tensor_parallel_follows_one_process(tmp_path):
     """examples/train.py --tp 2 on 2 ranks trains like one process on the same data (heads, MLP and
     vocabulary split; loss_parallel), and saves a plain state dict."""
     import torch
 
-    single = _train(1, [], tmp_path / "one.pt")
-    tensor_parallel = _train(2, ["--tp", "2"], tmp_path / "tp.pt")
+    single = losses(run_train(1, [], tmp_path / "one.pt"))
+    tensor_parallel = losses(run_train(2, ["--tp", "2"], tmp_path / "tp.pt"))
     assert len(single) == 5 and max(abs(a - b) for a, b in zip(single, tensor_parallel)) < 2e-4, (single, tensor_parallel)
     one, tp = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "tp.pt")
     assert one.keys() == tp.keys() and all(type(v) is torch.Tensor for v in tp.values())
@@ -89,6 +67,6 @@ def test_train_example_tensor_parallel_follows_one_process(tmp_path):
 
 def test_train_example_two_dimensional_tensor_and_data_parallel(tmp_path):
     """--tp 2 on 4 ranks (a (2, 2) mesh: tensor parallel x 2 data-parallel replicas) follows DDP on 2 ranks."""
-    ddp = _train(2, [], tmp_path / "ddp.pt")
-    two_d = _train(4, ["--tp", "2"], tmp_path / "2d.pt")
+    ddp = losses(run_train(2, [], tmp_path / "ddp.pt"))
+    two_d = losses(run_train(4, ["--tp", "2"], tmp_path / "2d.pt"))
     assert len(ddp) == 5 and max(abs(a - b) for a, b in zip(ddp, two_d)) < 2e-4, (ddp, two_d)

@@ -20,17 +20,15 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
 from spmd.bench.launch import relaunch_locally
+from spmd.bench.sides import alternate, finish_both, init_both, summary
 
 
 def make_side(dtensor_mod: object, mesh: object, weights: list[torch.Tensor], x: torch.Tensor) -> Callable[[], float]:
@@ -64,12 +62,8 @@ def worker(args: argparse.Namespace) -> None:
     import spmd
     import spmd.tensor as stensor
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
-    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=300, torch_interop=False)
-    tdist.init_process_group("gloo", store=tdist.PrefixStore("torch/", store), rank=rank, world_size=world,
-                             timeout=timedelta(seconds=300))
+    rank, world = init_both()
     results = {}
     sizes = [("mlp", args.batch, args.dim, args.hidden)]
     if args.small:
@@ -87,17 +81,7 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(args.warmup):
             for step in sides.values():
                 step()
-        names = list(sides)
-        times: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(args.rounds):
-            for k in range(len(names)):
-                name = names[(r + k) % len(names)]
-                tdist.barrier()
-                start = time.perf_counter()
-                sides[name]()
-                times[name].append(time.perf_counter() - start)
-        med = {n: statistics.median(t) for n, t in times.items()}
-        paired = statistics.median(a / b for a, b in zip(times["spmd"], times["torch"]))
+        med, _, paired = summary(alternate(sides, args.rounds, tdist.barrier))
         results[label] = (batch, dim, hidden, med, paired)
         if args.profile and rank == 0:
             profiler = cProfile.Profile()
@@ -117,8 +101,7 @@ def worker(args: argparse.Namespace) -> None:
         for label, (batch, dim, hidden, med, paired) in results.items():
             print(f"{label:6s} {batch:5d} {dim:5d} {hidden:6d} {med['spmd'] * 1e3:8.2f} {med['torch'] * 1e3:9.2f} "
                   f"{med['spmd'] / med['torch']:6.3f} {paired:7.3f}")
-    spmd.destroy_process_group()
-    tdist.destroy_process_group()
+    finish_both()
 
 
 def main() -> None:

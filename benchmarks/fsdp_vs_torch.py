@@ -36,13 +36,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 
 from spmd.bench.launch import relaunch_locally
+from spmd.bench.sides import finish_both, init_both
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -114,12 +114,8 @@ def worker(args: argparse.Namespace) -> None:
     import spmd
     from spmd.parallel import fully_shard
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
-    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=300)
-    tdist.init_process_group("gloo", store=tdist.PrefixStore("torch/", store), rank=rank, world_size=world,
-                             timeout=timedelta(seconds=300))
+    rank, world = init_both()
     barrier = lambda: tdist.barrier()  # noqa: E731 - one barrier for every side
 
     torch.manual_seed(0)
@@ -173,8 +169,7 @@ def worker(args: argparse.Namespace) -> None:
             print(json.dumps(result, indent=1))
         else:
             report(result, args)
-    spmd.destroy_process_group()
-    tdist.destroy_process_group()
+    finish_both()
 
 
 def report(r: dict, args: argparse.Namespace) -> None:

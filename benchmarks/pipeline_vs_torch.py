@@ -24,13 +24,14 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
+
+from spmd.bench.sides import finish_both, init_both
 
 
 def make_blocks(width: int, n: int) -> list[nn.Module]:
@@ -65,14 +66,10 @@ def stage_costs(module: nn.Module, x: torch.Tensor, reps: int) -> dict[str, floa
 
 
 def worker(args: argparse.Namespace) -> None:
-    import spmd
     from spmd.pipeline import PipelineStage, get_schedule, simulate
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
-    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=300, torch_interop=False)
-    tdist.init_process_group("gloo", store=tdist.PrefixStore("torch/", store), rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    rank, world = init_both()
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B
 
@@ -169,8 +166,7 @@ def worker(args: argparse.Namespace) -> None:
                 print(f"{r['schedule']:<18}{r['stages']:>7}{r['measured_ms']:>13.2f}{r['predicted_ms']:>14.2f}{r['ratio']:>14.2f}")
             print(f"1F1B: spmd {vs['spmd_ms']:.2f} ms, torch Schedule1F1B {vs['torch_ms']:.2f} ms, "
                   f"spmd/torch {vs['ratio_of_medians']:.3f} (median paired ratio {vs['median_paired_ratio']:.3f})")
-    spmd.destroy_process_group()
-    tdist.destroy_process_group()
+    finish_both()
 
 
 def main() -> None:

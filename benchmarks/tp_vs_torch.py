@@ -18,11 +18,8 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from spmd.bench.launch import relaunch_locally
+from spmd.bench.sides import alternate, finish_both, init_both, summary
 
 
 class MLP(nn.Module):
@@ -120,12 +118,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import spmd
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
-    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=300, torch_interop=False)
-    tdist.init_process_group("gloo", store=tdist.PrefixStore("torch/", store), rank=rank, world_size=world,
-                             timeout=timedelta(seconds=300))
+    rank, world = init_both()
     frameworks = {"spmd": (_SpmdTP(), spmd.init_device_mesh("cpu", (world,))), "torch": (_TorchTP(), torch_mesh("cpu", (world,)))}
     rows = []
     for label in ("mlp", "block"):
@@ -142,25 +136,14 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(args.warmup):
             for step in steps.values():
                 step()
-        names = list(steps)
-        times: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(args.rounds):
-            for k in range(len(names)):
-                name = names[(r + k) % len(names)]
-                tdist.barrier()
-                start = time.perf_counter()
-                steps[name]()
-                times[name].append(time.perf_counter() - start)
-        med = {n: statistics.median(t) for n, t in times.items()}
-        paired = statistics.median(a / b for a, b in zip(times["spmd"], times["torch"]))
+        med, _, paired = summary(alternate(steps, args.rounds, tdist.barrier))
         rows.append((label, med, paired))
     if rank == 0:
         print(f"{world} ranks, Gloo, batch {args.batch} x seq {args.seq} x dim {args.dim}, {args.rounds} rounds; step = fwd + bwd + SGD")
         print(f"{'model':6s} {'spmd ms':>8s} {'torch ms':>9s} {'ratio':>6s} {'paired':>7s}")
         for label, med, paired in rows:
             print(f"{label:6s} {med['spmd'] * 1e3:8.2f} {med['torch'] * 1e3:9.2f} {med['spmd'] / med['torch']:6.3f} {paired:7.3f}")
-    spmd.destroy_process_group()
-    tdist.destroy_process_group()
+    finish_both()
 
 
 def main() -> None:

@@ -15,16 +15,32 @@ from spmd.checkpoint.async_save import SaveFuture, async_save
 from spmd.checkpoint.load import load
 from spmd.checkpoint.metadata import CheckpointError, Metadata
 from spmd.checkpoint.save import save
+from spmd.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from spmd.checkpoint.storage import Storage, StorageNotFoundError, StorageSpec, open_storage
 
 __all__ = [
     "CheckpointError",
     "Metadata",
     "SaveFuture",
+    "StateDictOptions",
     "Storage",
     "StorageNotFoundError",
     "StorageSpec",
     "async_save",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
     "load",
     "open_storage",
     "save",

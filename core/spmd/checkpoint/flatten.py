@@ -67,9 +67,20 @@ def json_value(key: str, value: Any) -> Any:
         ) from None
 
 
+def shaped_like(old: Any, stored: Any) -> Any:
+    """``stored`` (JSON data) with the tuples that ``old`` had where it has lists."""
+    if isinstance(old, tuple) and isinstance(stored, list) and len(old) == len(stored):
+        return tuple(shaped_like(o, n) for o, n in zip(old, stored))
+    if isinstance(old, list) and isinstance(stored, list) and len(old) == len(stored):
+        return [shaped_like(o, n) for o, n in zip(old, stored)]
+    if isinstance(old, Mapping) and isinstance(stored, dict):
+        return {k: shaped_like(old.get(k), v) for k, v in stored.items()}
+    return stored
+
+
 def restore_value(key: str, leaf: Leaf, stored: Any) -> None:
     """Put a loaded JSON value back where ``leaf`` was, as a tuple if the old value was one."""
-    value = tuple(stored) if isinstance(leaf.value, tuple) and isinstance(stored, list) else stored
+    value = shaped_like(leaf.value, stored)
     if isinstance(leaf.container, tuple):
         if leaf.container[leaf.index] != value:
             raise CheckpointError(f"state_dict[{key!r}] sits in a tuple and cannot be replaced in place; use a list")

@@ -1,0 +1,145 @@
+"""spmd.checkpoint on 1, 2 and 4 real ranks: save on 4, load resharded on 2 and as plain tensors on 1;
+optimizer state and non-tensor values; a failing storage; async equals sync; the files; storage plugins."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import checkpoint_helpers as h
+import pytest
+import torch
+
+import spmd.checkpoint as dcp
+from spmd.checkpoint.metadata import METADATA_FILE
+
+
+def _files(root: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+@pytest.fixture(scope="module")
+def saved_on_four(tmp_path_factory, spmd_world_pool):
+    path = str(tmp_path_factory.mktemp("ckpt") / "four")
+    spmd_world_pool.get(4, "gloo").run(h.save_on_four, path, timeout=120)
+    return path
+
+
+def test_save_on_four_load_on_two_with_other_placements(spmd_world, saved_on_four):
+    for rank, r in enumerate(spmd_world(2, "gloo").run(h.load_on_two, saved_on_four, timeout=120)):
+        assert r.pop("w_local") == (10, 3), rank
+        assert all(r.values()), (rank, r)
+
+
+def test_save_on_four_load_on_one_rank_as_plain_tensors(spmd_world, saved_on_four):
+    (r,) = spmd_world(1, "gloo").run(h.load_plain, saved_on_four, timeout=120)
+    assert all(r.values()), r
+
+
+def test_load_in_one_process_without_init(saved_on_four):
+    r = h.load_plain(saved_on_four)
+    assert all(r.values()), r
+
+
+def test_every_file_is_safetensors_or_json_and_opens(saved_on_four):
+    from safetensors import safe_open
+
+    files = _files(saved_on_four)
+    assert METADATA_FILE in files
+    for name in files:
+        assert name.endswith((".safetensors", ".json")), name
+        full = os.path.join(saved_on_four, name)
+        if name.endswith(".json"):
+            with open(full) as f:
+                json.load(f)
+        else:
+            with safe_open(full, "pt") as f:
+                for key in f.keys():
+                    f.get_tensor(key)
+
+
+def test_replicated_values_are_written_once_by_spread_writers(saved_on_four):
+    with open(os.path.join(saved_on_four, METADATA_FILE)) as f:
+        meta = json.load(f)
+    tensors = meta["tensors"]
+    assert len(tensors["model.rep"]["chunks"]) == 1  # replicated on 4 ranks, stored once
+    assert len(tensors["model.w"]["chunks"]) == 4  # one shard per rank (the last one short)
+    assert len(tensors["model.bf"]["chunks"]) == 2  # Replicate x Shard(1): two distinct shards
+    writers = {tensors[f"plain.{i}"]["chunks"][0]["file"] for i in range(4)}
+    assert len(writers) >= 2, writers  # equal replicated tensors spread over several writers
+    per_file: dict[str, int] = {}
+    for entry in tensors.values():
+        for c in entry["chunks"]:
+            per_file[c["file"]] = per_file.get(c["file"], 0) + c["end"] - c["begin"]
+    largest = max(c["end"] - c["begin"] for e in tensors.values() for c in e["chunks"])  # the RNG state
+    assert len(per_file) == 4 and max(per_file.values()) - min(per_file.values()) <= largest, per_file
+    assert meta["values"]["step"] == 17 and meta["values"]["loader.position"] == 1234
+
+
+def test_optimizer_state_round_trips_from_tp_to_ddp(spmd_world, tmp_path):
+    path = str(tmp_path / "tp")
+    saved = spmd_world(2, "gloo").run(h.save_tp_training, path, timeout=120)[0]
+    for r in spmd_world(4, "gloo").run(h.resume_ddp, path, timeout=120):
+        assert r["keys"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "scale"]  # no "module."
+        assert r["step"] == 3 and r["betas"] == (0.8, 0.9)
+        assert set(r["values"]) == set(saved)
+        for key, value in saved.items():
+            if isinstance(value, list) and key != "optim.param_groups":
+                assert torch.allclose(torch.tensor(r["values"][key]), torch.tensor(value)), key
+            else:
+                assert r["values"][key] == value, key
+
+
+def test_failing_storage_leaves_the_previous_checkpoint(spmd_world, tmp_path):
+    path = str(tmp_path / "atomic")
+    results = spmd_world(2, "gloo").run(h.save_then_fail, path, f"failing://{path}", timeout=120)
+    with open(os.path.join(path, METADATA_FILE), "rb") as f:
+        committed = f.read()
+    for r in results:
+        assert "No space left on device (simulated)" in r["error"] and "rank 1" in r["error"], r["error"]
+        assert "previous" in r["error"] or "unchanged" in r["error"]
+        assert r["x"] == list(range(8)) and r["step"] == 1
+    data_dirs = [n for n in os.listdir(path) if n.startswith("data-")]
+    assert len(data_dirs) == 1 and json.loads(committed)["data_dir"] == data_dirs[0]  # the failed save's data is gone
+
+
+def test_partial_checkpoint_fails_clearly(tmp_path):
+    dcp.save({"x": torch.ones(3)}, checkpoint_id=str(tmp_path / "p"))
+    os.unlink(tmp_path / "p" / METADATA_FILE)  # as a save killed before its commit leaves it
+    with pytest.raises(dcp.CheckpointError, match="partial"):
+        dcp.load({"x": torch.zeros(3)}, checkpoint_id=str(tmp_path / "p"))
+    with pytest.raises(dcp.CheckpointError, match="no checkpoint"):
+        dcp.load({"x": torch.zeros(3)}, checkpoint_id=str(tmp_path / "nothing"))
+
+
+def test_async_save_equals_sync_save(spmd_world, tmp_path):
+    a, b = str(tmp_path / "async"), str(tmp_path / "sync")
+    results = spmd_world(2, "gloo").run(h.async_vs_sync, a, b, timeout=120)
+    assert results[0]["second"]  # rank 0 gets the committed metadata
+    assert all(r["second_done"] for r in results)  # the sync save waited for it
+    r = h.load_two_and_compare(a, b)
+    assert r["equal"] and r["w_ok"], r
+
+
+def test_third_party_storage_scheme_from_a_plugin(spmd_world, tmp_path):
+    path = str(tmp_path / "flat")
+    for r in spmd_world(2, "gloo").run(h.third_party_roundtrip, path, timeout=120):
+        assert r == {"equal": True, "n": 3}
+    names = os.listdir(path)
+    assert METADATA_FILE in names and any("~rank-00000.safetensors" in n for n in names), names
+
+
+def test_fsspec_memory_url_and_unknown_scheme(tmp_path):
+    pytest.importorskip("fsspec")
+    state = {"x": torch.arange(6.0).reshape(2, 3), "v": [1, "a"]}
+    dcp.save(state, checkpoint_id="memory://spmd-test/ckpt")
+    out = {"x": torch.zeros(2, 3), "v": None}
+    dcp.load(out, checkpoint_id="memory://spmd-test/ckpt")
+    assert torch.equal(out["x"], state["x"]) and out["v"] == [1, "a"]
+    with pytest.raises(Exception, match="nosuchscheme"):
+        dcp.save(state, checkpoint_id="nosuchscheme://x")
+
+
+def test_not_json_value_is_a_named_error(tmp_path):
+    with pytest.raises(dcp.CheckpointError, match=r"state_dict\['obj'\].*no pickles"):
+        dcp.save({"obj": object()}, checkpoint_id=str(tmp_path / "x"))

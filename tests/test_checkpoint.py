@@ -143,3 +143,26 @@ def test_fsspec_memory_url_and_unknown_scheme(tmp_path):
 def test_not_json_value_is_a_named_error(tmp_path):
     with pytest.raises(dcp.CheckpointError, match=r"state_dict\['obj'\].*no pickles"):
         dcp.save({"obj": object()}, checkpoint_id=str(tmp_path / "x"))
+
+
+def test_cli_inspect_consolidate_import_torch(saved_on_four, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from spmd.cli import main
+
+    assert main(["checkpoint", "inspect", saved_on_four]) == 0
+    table = capsys.readouterr().out
+    assert "model.w" in table and "10x6" in table and "S(0)" in table and "S(0),S(1)" in table
+    assert "loader.position" in table and "1234" in table
+    out = str(tmp_path / "full.safetensors")
+    assert main(["checkpoint", "consolidate", saved_on_four, out]) == 0
+    full = load_file(out)
+    assert torch.equal(full["model.m"], h.full_values()["m"]) and torch.equal(full["plain.3"], h.full_values()["plain3"])
+    pt = tmp_path / "old.pt"
+    torch.save({"w": torch.arange(6.0), "step": 4}, pt)
+    assert main(["checkpoint", "import-torch", str(pt), str(tmp_path / "imported")]) == 0
+    assert "unpickling" in capsys.readouterr().err
+    state = {"w": torch.zeros(6), "step": 0}
+    dcp.load(state, checkpoint_id=str(tmp_path / "imported"))
+    assert torch.equal(state["w"], torch.arange(6.0)) and state["step"] == 4
+    assert main(["checkpoint", "inspect", str(tmp_path / "none")]) == 2

@@ -12,7 +12,7 @@ from spmd.markers import hookimpl
 
 
 class FileStorage(Storage):
-    """A checkpoint in a local (or mounted) directory; writes go through ``os.write``, reads through ``os.pread``."""
+    """A checkpoint in a local (or mounted) directory; writes go through ``os.write`` and ``fsync``, reads through ``os.preadv``."""
 
     def __init__(self, url: str) -> None:
         self.root = os.path.abspath(url[len("file://") :] if url.startswith("file://") else url)
@@ -32,6 +32,7 @@ class FileStorage(Storage):
                     assert n is not None
                     total += n
                     view = view[n:]
+            os.fsync(f.fileno())  # on disk before metadata.json commits it (torch's DCP syncs too)
         return total
 
     def write_atomic(self, path: str, data: bytes) -> None:

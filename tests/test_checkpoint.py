@@ -166,3 +166,39 @@ def test_cli_inspect_consolidate_import_torch(saved_on_four, tmp_path, capsys):
     dcp.load(state, checkpoint_id=str(tmp_path / "imported"))
     assert torch.equal(state["w"], torch.arange(6.0)) and state["step"] == 4
     assert main(["checkpoint", "inspect", str(tmp_path / "none")]) == 2
+
+
+def _train(tmp_path, *extra: str) -> list[str]:
+    import pathlib
+    import socket
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--d-model", "32", "--layers", "1", "--heads", "2", "--batch-size", "4", "--corpus-chars", "20000",
+            "--log-every", "1", *extra]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, str(root / "examples" / "train.py"), *args],
+                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    return outputs
+
+
+def test_train_example_saves_every_k_steps_and_resumes_exactly(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    _train(tmp_path, "--steps", "8", "--save-every", "3", "--checkpoint-dir", ckpt, "--out", str(tmp_path / "straight.pt"))
+    assert sorted(os.listdir(ckpt)) == ["step-000003", "step-000006", "step-000008"]  # every 3 steps and the last
+    os.unlink(os.path.join(ckpt, "step-000008", METADATA_FILE))  # as if the job died before committing step 8
+    out = _train(tmp_path, "--steps", "8", "--save-every", "3", "--checkpoint-dir", ckpt, "--resume",
+                 "--out", str(tmp_path / "resumed.pt"))
+    assert f"resumed from {ckpt}/step-000006 at step 6" in out[0]
+    resumed, straight = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "straight.pt")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)  # model, optimizer and data order restored

@@ -258,3 +258,24 @@ def third_party_roundtrip(path: str) -> dict[str, Any]:
     target = {"w": spmd.distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)], src_data_rank=None), "n": 0}
     dcp.load(target, checkpoint_id=f"flat://{path}")
     return {"equal": bool(torch.equal(target["w"].full_tensor(), full["w"])), "n": target["n"]}
+
+
+def full_and_sharded_state_dicts() -> dict[str, Any]:
+    """full_state_dict gathers DTensors; a full state dict loads into a sharded model (and back)."""
+    net, optimizer = _tp_net(spmd.get_world_size())
+    _train(net, optimizer, 2)
+    options = dcp.StateDictOptions(full_state_dict=True)
+    full_model, full_optim = dcp.get_state_dict(net, optimizer, options=options)
+    plain_types = all(not isinstance(v, DTensor) for v in full_model.values())
+    fresh, fresh_optimizer = _tp_net(spmd.get_world_size())
+    dcp.set_state_dict(fresh, fresh_optimizer, model_state_dict=full_model, optim_state_dict=full_optim)
+    again_model, again_optim = dcp.get_state_dict(fresh, fresh_optimizer, options=options)
+    sharded, _ = dcp.get_state_dict(fresh, fresh_optimizer)
+    return {
+        "plain": plain_types,
+        "sharded": isinstance(sharded["fc1.weight"], DTensor),
+        "model_equal": all(torch.equal(full_model[k], again_model[k]) for k in full_model),
+        "optim_equal": all(
+            torch.equal(full_optim["state"][p][k], again_optim["state"][p][k]) for p in full_optim["state"] for k in full_optim["state"][p]
+        ),
+    }

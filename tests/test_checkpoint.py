@@ -202,3 +202,8 @@ def test_train_example_saves_every_k_steps_and_resumes_exactly(tmp_path):
     assert f"resumed from {ckpt}/step-000006 at step 6" in out[0]
     resumed, straight = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "straight.pt")
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)  # model, optimizer and data order restored
+
+
+def test_full_state_dict_gathers_and_loads_into_shards(spmd_world):
+    for r in spmd_world(2, "gloo").run(h.full_and_sharded_state_dicts, timeout=120):
+        assert r == {"plain": True, "sharded": True, "model_equal": True, "optim_equal": True}

@@ -279,3 +279,24 @@ def full_and_sharded_state_dicts() -> dict[str, Any]:
             torch.equal(full_optim["state"][p][k], again_optim["state"][p][k]) for p in full_optim["state"] for k in full_optim["state"][p]
         ),
     }
+
+
+def one_rank_refuses(path: str) -> str:
+    """Rank 0 alone holds a value that is not JSON (rank 0 writes the values): every rank raises, none waits."""
+    state = {"x": torch.ones(2), "bad": object() if spmd.get_rank() == 0 else 1}
+    try:
+        dcp.save(state, checkpoint_id=path)
+    except dcp.CheckpointError as error:
+        return str(error)
+    return "no error"
+
+
+def async_save_failure(path: str) -> str:
+    """An async save through a failing storage: its future raises."""
+    use_test_storage()
+    future = dcp.async_save({"x": torch.arange(4.0), "y": torch.ones(4)}, checkpoint_id=f"failing://{path}")
+    try:
+        future.result(timeout=60)
+    except dcp.CheckpointError as error:
+        return str(error)
+    return "no error"

@@ -207,3 +207,12 @@ def test_train_example_saves_every_k_steps_and_resumes_exactly(tmp_path):
 def test_full_state_dict_gathers_and_loads_into_shards(spmd_world):
     for r in spmd_world(2, "gloo").run(h.full_and_sharded_state_dicts, timeout=120):
         assert r == {"plain": True, "sharded": True, "model_equal": True, "optim_equal": True}
+
+
+def test_a_rank_that_cannot_save_fails_every_rank_and_async_failures_reach_the_future(spmd_world, tmp_path):
+    world = spmd_world(2, "gloo")
+    for message in world.run(h.one_rank_refuses, str(tmp_path / "r"), timeout=60):
+        assert "refused, nothing written" in message and "rank 0" in message and "no pickles" in message
+    assert not os.path.exists(tmp_path / "r" / METADATA_FILE)
+    for message in world.run(h.async_save_failure, str(tmp_path / "a"), timeout=60):
+        assert "No space left on device (simulated)" in message

@@ -73,22 +73,41 @@ def as_is(key: str, box: Box, local: torch.Tensor) -> torch.Tensor:
     return local if local.device.type == "cpu" else local.to("cpu")
 
 
-def prepare(state_dict: Mapping[str, Any], checkpoint_id: str, ranks: Ranks, stage: Stage = as_is) -> SaveJob:
-    """Flatten, agree on the plan (one exchange), and take the data this rank writes."""
+def _describe(state_dict: Mapping[str, Any], rank: int) -> tuple[list[TensorDesc], dict[str, torch.Tensor], dict[str, Any]]:
     descs: list[TensorDesc] = []
     local: dict[str, torch.Tensor] = {}
     values: dict[str, Any] = {}
     for leaf in leaves(state_dict):
         if isinstance(leaf.value, torch.Tensor):
-            data = _local_data(leaf.value)
-            local[leaf.key] = data
+            local[leaf.key] = _local_data(leaf.value)
             dtype = dtype_name(leaf.value.dtype)
             descs.append(TensorDesc(leaf.key, tuple(leaf.value.shape), dtype, leaf.value.element_size(),
                                     placements_label(leaf.value), local_box(leaf.value)))
-        elif ranks.rank == 0:
+        elif rank == 0:
             values[leaf.key] = json_value(leaf.key, leaf.value)
-    token = f"{DATA_PREFIX}{uuid.uuid4().hex[:12]}"
-    gathered = ranks.gather((token, descs))
+    return descs, local, values
+
+
+def prepare(state_dict: Mapping[str, Any], checkpoint_id: str, ranks: Ranks, stage: Stage = as_is) -> SaveJob:
+    """Flatten, agree on the plan (one exchange), and take the data this rank writes.
+
+    A rank whose state dict cannot be saved (a value that is not JSON, a dtype
+    safetensors lacks) says so in the exchange, so every rank raises instead
+    of the others waiting for it.
+    """
+    mine: Any
+    local_error: Exception | None = None
+    try:
+        descs, local, values = _describe(state_dict, ranks.rank)
+        mine = (f"{DATA_PREFIX}{uuid.uuid4().hex[:12]}", descs)
+    except Exception as error:  # noqa: BLE001 - reported to every rank, then raised
+        local_error, mine = error, f"rank {ranks.rank}: {type(error).__name__}: {error}"
+    gathered = ranks.gather(mine)
+    refused = [g for g in gathered if isinstance(g, str)]
+    if refused:
+        if local_error is not None and ranks.size == 1:
+            raise local_error
+        raise CheckpointError(f"save to {checkpoint_id!r} refused, nothing written: {'; '.join(refused)}") from local_error
     plan = plan_writes([d for _, d in gathered])
     job = SaveJob(str(checkpoint_id), gathered[0][0], plan, values=values)
     for key, box in plan.chunks_of(ranks.rank):

@@ -257,7 +257,16 @@ def third_party_roundtrip(path: str) -> dict[str, Any]:
     dcp.save(state, checkpoint_id=f"flat://{path}")
     target = {"w": spmd.distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)], src_data_rank=None), "n": 0}
     dcp.load(target, checkpoint_id=f"flat://{path}")
-    return {"equal": bool(torch.equal(target["w"].full_tensor(), full["w"])), "n": target["n"]}
+    import checkpoint_plugin
+
+    before = checkpoint_plugin.BYTES_READ[0]
+    rows = {"w": spmd.distribute_tensor(torch.zeros(10, 6), mesh, [Shard(0)], src_data_rank=None)}
+    dcp.load(rows, checkpoint_id=f"flat://{path}")
+    return {
+        "equal": bool(torch.equal(target["w"].full_tensor(), full["w"])) and bool(torch.equal(rows["w"].full_tensor(), full["w"])),
+        "n": target["n"],
+        "bytes_read": checkpoint_plugin.BYTES_READ[0] - before,
+    }
 
 
 def full_and_sharded_state_dicts() -> dict[str, Any]:

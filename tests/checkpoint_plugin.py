@@ -17,15 +17,23 @@ from spmd.checkpoint import StorageSpec
 from spmd.checkpoint.filesystem import FileStorage
 from spmd.checkpoint.storage import Buffer
 
+#: Bytes read from safetensors files through ``flat://`` in this process.
+BYTES_READ = [0]
+
 
 class FlatStorage(FileStorage):
-    """Files of every directory level side by side, ``/`` written as ``~``."""
+    """Files of every directory level side by side, ``/`` written as ``~``; counts the shard bytes it reads."""
 
     def __init__(self, url: str) -> None:
         super().__init__(url[len("flat://") :])
 
     def _path(self, path: str) -> str:
         return os.path.join(self.root, path.replace("/", "~")) if path else self.root
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        if path.endswith(".safetensors"):
+            BYTES_READ[0] += out.nbytes
+        super().read_into(path, offset, out)
 
     def listdir(self, path: str = "") -> list[str]:
         if path:

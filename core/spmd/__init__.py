@@ -9,7 +9,7 @@ needs few other edits::
     spmd.all_reduce(t, op=spmd.ReduceOp.SUM)
 """
 
-from spmd import parallel  # noqa: E402 - strategies need the names above
+from spmd import checkpoint, parallel  # noqa: E402 - spmd.checkpoint/spmd.parallel after a bare `import spmd`
 from spmd.comm.backend import Backend, BackendContext, BackendSpec
 from spmd.comm.collectives import (
     all_gather,
@@ -113,6 +113,7 @@ __all__ = [
     "batch_isend_irecv",
     "broadcast",
     "broadcast_object_list",
+    "checkpoint",
     "destroy_process_group",
     "distribute_tensor",
     "gather",

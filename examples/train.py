@@ -6,6 +6,7 @@
     spmd run --nproc-per-node 4 examples/train.py --tp 2          # 2-D: tensor parallel 2 x data parallel 2
     spmd run --nproc-per-node 2 examples/train.py --pp 2          # pipeline: 2 stages, 1F1B, 4 microbatches
     spmd run --nproc-per-node 2 examples/train.py --steps 400 --batch-size 32 --out checkpoints/lm.pt
+    spmd run --nproc-per-node 2 examples/train.py --save-every 50 --checkpoint-dir ckpt --resume   # continues from ckpt
     python examples/train.py                          # a world of one
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc-per-node 2 examples/train.py   # torchrun works too
 
@@ -36,6 +37,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import checkpointing
 import torch
 from model import CharGPT, CharTokenizer, GPTConfig, as_layers, make_corpus, random_windows
 from torch.nn import functional as F
@@ -81,6 +83,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("checkpoints/train_final.pt"))
+    checkpointing.add_arguments(parser)  # --save-every K --checkpoint-dir DIR --resume
     return parser.parse_args()
 
 
@@ -259,7 +262,9 @@ def main() -> None:
     bar = tqdm(total=args.steps, disable=not leader, unit="step", dynamic_ncols=True)
     first_loss = last_loss = float("nan")
     start = time.perf_counter()
-    for step in range(args.steps):
+    first_step = checkpointing.resume(args, model, optimizer, generator)
+    bar.update(first_step)
+    for step in range(first_step, args.steps):
         step_start = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args)
@@ -275,6 +280,7 @@ def main() -> None:
             average_gradients(model, mesh.get_group("dp"))
         clip(model.parameters(), 1.0)
         optimizer.step()
+        checkpointing.maybe_save(args, step, model, optimizer, generator)
         last_loss = as_plain(loss).item()  # this rank's loss on its own batch
         if step == 0:
             first_loss = last_loss
@@ -284,6 +290,7 @@ def main() -> None:
         if leader and (step % args.log_every == 0 or step == args.steps - 1):
             bar.write(f"step {step:5d}  loss {last_loss:.4f}  lr {learning_rate(step, args):.2e}  {tokens_per_s:,.0f} tok/s")
     bar.close()
+    checkpointing.finish()
     elapsed = time.perf_counter() - start
 
     if full is not None:  # pipeline: the first rank of each stage group holds the whole model afterwards

@@ -9,8 +9,9 @@ needs few other edits::
     spmd.all_reduce(t, op=spmd.ReduceOp.SUM)
 """
 
-from spmd import (
-    parallel,  # noqa: E402 - strategies need the names above
+from spmd import (  # noqa: E402 - after the names above: strategies, schedules and checkpoints need them
+    checkpoint,
+    parallel,
     pipeline,
 )
 from spmd.comm.backend import Backend, BackendContext, BackendSpec
@@ -116,6 +117,7 @@ __all__ = [
     "batch_isend_irecv",
     "broadcast",
     "broadcast_object_list",
+    "checkpoint",
     "destroy_process_group",
     "distribute_tensor",
     "gather",

@@ -1,4 +1,4 @@
-"""The ``spmd`` command: ``spmd run``, ``spmd plugins``, ``spmd doctor``, ``spmd trace analyze``, ``spmd pipeline show``."""
+"""The ``spmd`` command: ``spmd run``, ``spmd plugins``, ``spmd doctor``, ``spmd trace analyze``, ``spmd pipeline show``, ``spmd checkpoint``."""
 
 from __future__ import annotations
 
@@ -164,6 +164,27 @@ def cmd_trace_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from spmd.checkpoint import CheckpointError, tools
+
+    try:
+        if args.checkpoint_command == "inspect":
+            meta, table = tools.inspect(args.path)
+            print(json.dumps(json.loads(meta.to_json()), indent=1) if args.json else table)
+        elif args.checkpoint_command == "consolidate":
+            count = tools.consolidate(args.path, args.out)
+            print(f"wrote {count} full tensors to {args.out}")
+        else:
+            print(f"spmd checkpoint import-torch: unpickling {args.file} (torch.load, weights_only=True); "
+                  "the checkpoint it writes holds no pickle", file=sys.stderr)
+            state = tools.import_torch(args.file, args.path)
+            print(f"wrote {len(state)} top-level entries to {args.path}")
+    except (CheckpointError, OSError, ValueError) as error:
+        print(f"spmd checkpoint {args.checkpoint_command}: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from spmd.launch import agent
     from spmd.launch.args import accepted_notes, to_config
@@ -238,6 +259,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     show.add_argument("--w", type=float, default=1.0, help="cost of a weight-gradient step")
     show.add_argument("--png", default=None, metavar="FILE", help="also draw the timeline (needs matplotlib)")
     show.set_defaults(func=cmd_pipeline_show)
+
+    ckpt = sub.add_parser("checkpoint", help="inspect, consolidate or import distributed checkpoints")
+    ckpt_sub = ckpt.add_subparsers(dest="checkpoint_command", required=True)
+    inspect = ckpt_sub.add_parser("inspect", help="a table of the stored tensors (shapes, dtypes, placements, sizes) and values")
+    inspect.add_argument("path", help="checkpoint directory or URL")
+    inspect.add_argument("--json", action="store_true", help="print the metadata as JSON")
+    consolidate = ckpt_sub.add_parser("consolidate", help="write one ordinary safetensors file of full tensors")
+    consolidate.add_argument("path", help="checkpoint directory or URL")
+    consolidate.add_argument("out", help="the .safetensors file to write")
+    importer = ckpt_sub.add_parser("import-torch", help="convert a torch.save'd state dict (unpickles it, once)")
+    importer.add_argument("file", help="the .pt file")
+    importer.add_argument("path", help="the checkpoint directory or URL to write")
+    ckpt.set_defaults(func=cmd_checkpoint)
     run = sub.add_parser("run", help="launch a training script on N workers per node (torchrun's flags)")
     build_parser(run)
     run.set_defaults(func=cmd_run)

@@ -104,10 +104,46 @@ def spmd_schedules() -> Iterable[Any]:
 
 @hookspec
 def spmd_storages() -> Iterable[Any]:
-    """Return checkpoint storages.
+    """Return checkpoint storages: where ``spmd.checkpoint`` reads and writes, by URL scheme.
 
-    Signature: ``spmd_storages() -> Iterable[StorageSpec]`` (URL schemes and a factory).
-    Called: the first time a checkpoint path with a scheme is opened, on every rank.
+    Signature: ``spmd_storages() -> Iterable[spmd.checkpoint.StorageSpec]``;
+    ``StorageSpec(schemes, factory, name="", description="", overrides=False)``.
+    Called: the first time a checkpoint URL is opened (``save``, ``load``,
+    ``spmd checkpoint ...``), on every rank; the result is cached until
+    ``spmd.checkpoint.storage.reset()`` or ``spmd.plugins.reset()``.
+    ``schemes`` are lower-case names without ``://``; a plain path is scheme
+    ``file``. The scheme ``"*"`` serves every URL that no spec names (the
+    builtin-optional ``spmd.checkpoint.fsspec_storage`` uses it when fsspec
+    is installed). Two specs with one scheme are an error naming both plugins,
+    unless one sets ``overrides=True``. The builtin ``spmd.checkpoint.filesystem``
+    serves ``file``.
+
+    The contract: ``factory(url) -> spmd.checkpoint.Storage`` for one
+    checkpoint root; it must not do I/O that can fail for a missing directory
+    (a save creates it). Paths passed to the methods are relative to the root
+    and ``/``-separated (``metadata.json``, ``data-<token>/rank-00003.safetensors``).
+    Subclass ``Storage`` and implement:
+
+    - ``write(path, parts) -> int``: create or replace a file with the
+      concatenation of ``parts`` (bytes-like; large, do not join them),
+      creating parent directories; return the bytes written. Raise on any
+      failure: the save is then rolled back on every rank.
+    - ``write_atomic(path, data)``: the commit point. A reader sees the old
+      file or the new one, never a part (rename over, or an object store's put).
+    - ``read(path, offset=0, length=None) -> bytes-like``: a byte range
+      (``load`` reads only the spans of the shards it needs);
+      ``read_into(path, offset, memoryview)`` optionally, to read without a copy.
+    - ``exists(path)``, ``listdir(path="") -> names``, ``remove(path)``
+      (a file or a tree; missing is fine).
+
+    Each rank writes only its own files; rank 0 writes ``metadata.json`` last,
+    with ``write_atomic``, then removes older ``data-*`` directories. During
+    ``async_save`` the methods run in a background thread (one at a time per
+    Storage object). Example (``tests/checkpoint_plugin.py`` is a complete one)::
+
+        @spmd.hookimpl
+        def spmd_storages():
+            return [spmd.checkpoint.StorageSpec(("mystore",), MyStorage)]
     """
 
 

@@ -39,7 +39,14 @@ ENV_ENABLE = "SPMD_PLUGINS"
 ENV_BLOCK = "SPMD_BLOCK_PLUGINS"
 
 #: Builtin plugins, registered before any entry point (the way pytest ships its features).
-BUILTIN_PLUGINS = ("spmd.launch.environments", "spmd.parallel.builtin", "spmd.pipeline.builtin", "spmd.tensor.rules")
+BUILTIN_PLUGINS = (
+    "spmd.launch.environments",
+    "spmd.parallel.builtin",
+    "spmd.pipeline.builtin",
+    "spmd.tensor.rules",
+    "spmd.checkpoint.filesystem",
+    "spmd.checkpoint.fsspec_storage",
+)
 
 
 @dataclass
@@ -174,8 +181,10 @@ def manager() -> PluginManager:
 def reset() -> None:
     """Forget the loaded plugins and registries (tests, or after installing a plugin)."""
     global _manager
+    from spmd.checkpoint import storage as checkpoint_storage
     from spmd.comm import registry
 
     with _lock:
         _manager = None
     registry.reset()
+    checkpoint_storage.reset()

@@ -1,0 +1,101 @@
+"""``async_save``: copy to reused CPU staging buffers, return a future, write in a background thread.
+
+The caller blocks only for the plan (one small exchange on a group of its
+own) and the copy of the chunks this rank writes; the writing, the exchange
+of outcomes and the commit run in one background thread over that private
+group, so they never interleave with the training's collectives. The next
+save (sync or async) and every load wait for the previous async save.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from spmd.checkpoint.metadata import Metadata
+from spmd.checkpoint.planner import Box
+from spmd.checkpoint.ranks import private_ranks
+from spmd.checkpoint.save import execute, prepare
+
+
+class SaveFuture:
+    """The outcome of one ``async_save``: ``result(timeout)``/``wait(timeout)`` raise if the save failed."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def result(self, timeout: float | None = None) -> Metadata | None:
+        """Block until the save is committed (or failed, then raise); rank 0 gets the committed metadata."""
+        return self._future.result(timeout)
+
+    wait = result
+
+    def done(self) -> bool:
+        """Whether the save has finished, committed or failed."""
+        return self._future.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error the save raised, or None."""
+        return self._future.exception(timeout)
+
+
+class Stager:
+    """CPU staging buffers, one per chunk, kept and reused while the chunk's shape and dtype stay the same."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, Box], torch.Tensor] = {}
+
+    def __call__(self, key: str, box: Box, local: torch.Tensor) -> torch.Tensor:
+        buffer = self.buffers.get((key, box))
+        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+            pin = local.device.type != "cpu" and torch.cuda.is_available()
+            buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
+            self.buffers[(key, box)] = buffer
+        buffer.copy_(local, non_blocking=local.device.type != "cpu")
+        return buffer
+
+    def synchronize(self) -> None:
+        """Wait for device-to-host copies issued with non_blocking."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+
+_executor: ThreadPoolExecutor | None = None
+_pending: SaveFuture | None = None
+_stager = Stager()
+_lock = threading.Lock()
+
+
+def wait_pending() -> None:
+    """Wait for the previous async save to finish (its error, if any, was or will be raised by its future)."""
+    pending = _pending
+    if pending is not None:
+        pending.exception()
+
+
+def async_save(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_group: Any = None) -> SaveFuture:
+    """Start saving ``state_dict`` to ``checkpoint_id`` and return at once with a future.
+
+    Blocks for the copy into CPU staging buffers (reused between saves, pinned
+    for GPU tensors), so training may change the tensors as soon as it
+    returns. It uses no collective of the caller's: its exchanges run on a
+    private group over the same ranks. Every rank must call it.
+
+        future = spmd.checkpoint.async_save(state, checkpoint_id=f"ckpt/{step}")
+        ...                                       # train on
+        future.result()                           # raises if the save failed
+    """
+    global _executor, _pending
+    with _lock:
+        wait_pending()
+        ranks = private_ranks(process_group)
+        job = prepare(state_dict, checkpoint_id, ranks, stage=_stager)
+        _stager.synchronize()
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spmd-async-save")
+        _pending = SaveFuture(_executor.submit(execute, job, ranks))
+        return _pending

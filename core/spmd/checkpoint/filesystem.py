@@ -1,0 +1,92 @@
+"""The builtin storage plugin: local paths and ``file://`` URLs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+
+from spmd.checkpoint.storage import Buffer, Storage, StorageSpec
+from spmd.markers import hookimpl
+
+
+class FileStorage(Storage):
+    """A checkpoint in a local (or mounted) directory; writes go through ``os.write`` and ``fsync``, reads through ``os.preadv``."""
+
+    def __init__(self, url: str) -> None:
+        self.root = os.path.abspath(url[len("file://") :] if url.startswith("file://") else url)
+
+    def _path(self, path: str) -> str:
+        return os.path.join(self.root, *path.split("/")) if path else self.root
+
+    def write(self, path: str, parts: Iterable[Buffer]) -> int:
+        target = self._path(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        total = 0
+        with open(target, "wb", buffering=0) as f:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view:
+                    n = f.write(view)
+                    assert n is not None
+                    total += n
+                    view = view[n:]
+            os.fsync(f.fileno())  # on disk before metadata.json commits it (torch's DCP syncs too)
+        return total
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        target = self._path(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        temporary = f"{target}.{uuid.uuid4().hex}.tmp"
+        try:
+            with open(temporary, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temporary, target)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> Buffer:
+        if length is None:
+            length = os.path.getsize(self._path(path)) - offset
+        buffer = bytearray(length)
+        self.read_into(path, offset, memoryview(buffer))
+        return buffer
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        fd = os.open(self._path(path), os.O_RDONLY)
+        try:
+            done, length = 0, out.nbytes
+            while done < length:
+                n = os.preadv(fd, [out[done:]], offset + done)
+                if n == 0:
+                    raise OSError(f"{self._path(path)}: the file ends before byte {offset + length}")
+                done += n
+        finally:
+            os.close(fd)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._path(path))
+
+    def listdir(self, path: str = "") -> list[str]:
+        target = self._path(path)
+        return sorted(os.listdir(target)) if os.path.isdir(target) else []
+
+    def remove(self, path: str) -> None:
+        target = self._path(path)
+        if os.path.isdir(target):
+            shutil.rmtree(target, ignore_errors=True)
+        elif os.path.exists(target):
+            os.unlink(target)
+
+    def local_path(self, path: str) -> str | None:
+        return self._path(path)
+
+
+@hookimpl
+def spmd_storages() -> list[StorageSpec]:
+    """Local directories: plain paths and ``file://``."""
+    return [StorageSpec(("file",), FileStorage, name="file", description="local or mounted directories")]

@@ -1,0 +1,164 @@
+"""The Storage contract, StorageSpec, and the scheme registry that the ``spmd_storages`` plugins fill."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from spmd.errors import PluginConflictError, SpmdError
+
+#: A scheme that serves every URL whose scheme no other spec names (the fsspec plugin's).
+ANY_SCHEME = "*"
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Storage:
+    """Where one checkpoint's files live: paths are relative to the checkpoint's root, ``/``-separated.
+
+    Implemented by storage plugins. spmd calls these from several ranks at
+    once (each rank writes only its own files) and from a background thread
+    during ``async_save``; a Storage must be safe to use from one thread at a
+    time per instance. ``write_atomic`` is the commit point: readers see the
+    old content or the new, never a part. ``read`` reads a byte range, so a
+    rank that needs a slice of a shard reads only that slice.
+    """
+
+    def write(self, path: str, parts: Iterable[Buffer]) -> int:
+        """Create or replace ``path`` with the concatenation of ``parts``; return the bytes written."""
+        raise NotImplementedError
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Replace ``path`` with ``data`` so that a reader sees the old file or the new one, never a mix."""
+        raise NotImplementedError
+
+    def read(self, path: str, offset: int = 0, length: int | None = None) -> Buffer:
+        """``length`` bytes of ``path`` from ``offset`` (to the end when None)."""
+        raise NotImplementedError
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes of ``path`` from ``offset`` (override to read without a copy)."""
+        out[:] = memoryview(self.read(path, offset, out.nbytes)).cast("B")
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` (a file or a directory) exists."""
+        raise NotImplementedError
+
+    def listdir(self, path: str = "") -> list[str]:
+        """The names directly under directory ``path`` (empty when it does not exist)."""
+        raise NotImplementedError
+
+    def remove(self, path: str) -> None:
+        """Delete a file or a directory tree; a missing path is not an error."""
+        raise NotImplementedError
+
+    def local_path(self, path: str) -> str | None:
+        """A local file-system path for ``path`` if there is one (tools may open it directly), else None."""
+        return None
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """What ``spmd_storages()`` returns: URL schemes and ``factory(url) -> Storage``.
+
+    ``schemes`` are lower-case names without ``://`` (``("s3", "s3a")``); the
+    scheme ``"*"`` serves every URL that no other spec claims. ``overrides``
+    lets this spec win over another plugin's for the same scheme.
+    """
+
+    schemes: tuple[str, ...]
+    factory: Callable[[str], Storage]
+    name: str = ""
+    description: str = ""
+    overrides: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.schemes, str):
+            object.__setattr__(self, "schemes", (self.schemes,))
+        object.__setattr__(self, "schemes", tuple(s.lower() for s in self.schemes))
+        if not self.name:
+            object.__setattr__(self, "name", ",".join(self.schemes))
+
+
+class StorageNotFoundError(SpmdError, LookupError):
+    """No loaded plugin serves the URL's scheme."""
+
+
+@dataclass(frozen=True)
+class RegisteredStorage:
+    """A StorageSpec and the plugin that provided it."""
+
+    spec: StorageSpec
+    plugin: str
+
+
+def _collect(pm: Any) -> dict[str, RegisteredStorage]:
+    entries: dict[str, RegisteredStorage] = {}
+    for plugin, specs in pm.hook_results("spmd_storages"):
+        for spec in specs:
+            if not isinstance(spec, StorageSpec):
+                raise TypeError(
+                    f"plugin {plugin!r} returned {spec!r} from spmd_storages; expected spmd.checkpoint.StorageSpec"
+                )
+            for scheme in spec.schemes:
+                previous = entries.get(scheme)
+                if previous is not None and not (spec.overrides or previous.spec.overrides):
+                    raise PluginConflictError(
+                        f"storage scheme {scheme!r} is provided by two plugins: {previous.plugin!r} and "
+                        f"{plugin!r}. Uninstall one, block one with SPMD_BLOCK_PLUGINS={plugin}, or declare "
+                        "overrides=True in the StorageSpec that should win"
+                    )
+                if previous is not None and previous.spec.overrides and not spec.overrides:
+                    continue
+                entries[scheme] = RegisteredStorage(spec, plugin)
+    return entries
+
+
+_cache: tuple[object, dict[str, RegisteredStorage]] | None = None
+_lock = threading.Lock()
+
+
+def storages() -> dict[str, RegisteredStorage]:
+    """Every registered storage by scheme (rebuilt when the plugin manager was reset)."""
+    global _cache
+    from spmd.plugins import manager
+
+    pm = manager()
+    cached = _cache
+    if cached is None or cached[0] is not pm:
+        with _lock:
+            cached = (pm, _collect(pm))
+            _cache = cached
+    return cached[1]
+
+
+def reset() -> None:
+    """Forget the collected schemes (after registering a storage plugin at runtime)."""
+    global _cache
+    with _lock:
+        _cache = None
+
+
+def scheme_of(url: str) -> str:
+    """The URL's scheme, lower-case; ``file`` for a plain path (``C:\\`` drive letters included)."""
+    head, sep, _ = str(url).partition("://")
+    if not sep or len(head) < 2 or not head.replace("+", "").replace("-", "").replace(".", "").isalnum():
+        return "file"
+    return head.lower()
+
+
+def open_storage(url: str) -> Storage:
+    """The Storage for ``url`` from the plugin that serves its scheme, or an error naming the way out."""
+    registry = storages()
+    scheme = scheme_of(url)
+    entry = registry.get(scheme) or registry.get(ANY_SCHEME)
+    if entry is None:
+        known = ", ".join(sorted(s for s in registry if s != ANY_SCHEME)) or "none"
+        raise StorageNotFoundError(
+            f"no storage plugin serves {scheme}:// (checkpoint {url!r}); schemes available: {known}. "
+            "Install fsspec for fsspec URLs (pip install 'spmd[fsspec]', plus s3fs/gcsfs for s3://, gs://), "
+            "or add a plugin whose spmd_storages() names the scheme; `spmd plugins` lists what is loaded"
+        )
+    return entry.spec.factory(str(url))

@@ -1,0 +1,72 @@
+"""A third-party storage plugin for the checkpoint tests: ``flat://`` and the failing ``failing://``.
+
+``flat://DIR`` keeps every file of a checkpoint directly in DIR, its path
+flattened (``data-x/rank-00000.safetensors`` -> ``data-x~rank-00000.safetensors``),
+so a test can tell that spmd went through this plugin and not the builtin
+file storage. ``failing://DIR`` writes like the file storage but every
+safetensors write of rank 1 fails as a full disk would.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import spmd
+from spmd.checkpoint import StorageSpec
+from spmd.checkpoint.filesystem import FileStorage
+from spmd.checkpoint.storage import Buffer
+
+#: Bytes read from safetensors files through ``flat://`` in this process.
+BYTES_READ = [0]
+
+
+class FlatStorage(FileStorage):
+    """Files of every directory level side by side, ``/`` written as ``~``; counts the shard bytes it reads."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url[len("flat://") :])
+
+    def _path(self, path: str) -> str:
+        return os.path.join(self.root, path.replace("/", "~")) if path else self.root
+
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        if path.endswith(".safetensors"):
+            BYTES_READ[0] += out.nbytes
+        super().read_into(path, offset, out)
+
+    def listdir(self, path: str = "") -> list[str]:
+        if path:
+            prefix = path.replace("/", "~") + "~"
+            return sorted(n[len(prefix) :] for n in os.listdir(self.root) if n.startswith(prefix))
+        return sorted({n.split("~")[0] for n in os.listdir(self.root)}) if os.path.isdir(self.root) else []
+
+    def exists(self, path: str) -> bool:
+        return super().exists(path) or bool(self.listdir(path))
+
+    def remove(self, path: str) -> None:
+        for name in self.listdir(path):
+            os.unlink(self._path(f"{path}/{name}"))
+        super().remove(path)
+
+
+class FailingStorage(FileStorage):
+    """The file storage, except that rank 1's safetensors writes fail half-way."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url[len("failing://") :])
+
+    def write(self, path: str, parts: Iterable[Buffer]) -> int:
+        if path.endswith(".safetensors") and spmd.get_rank() == 1:
+            first = next(iter(parts))
+            super().write(path, [first])  # a truncated file, as a full disk leaves it
+            raise OSError(28, "No space left on device (simulated)")
+        return super().write(path, parts)
+
+
+@spmd.hookimpl
+def spmd_storages() -> list[StorageSpec]:
+    return [
+        StorageSpec(("flat",), FlatStorage, name="flat", description="test: one flat directory"),
+        StorageSpec(("failing",), FailingStorage, name="failing", description="test: rank 1's writes fail"),
+    ]

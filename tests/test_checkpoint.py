@@ -1,0 +1,218 @@
+"""spmd.checkpoint on 1, 2 and 4 real ranks: save on 4, load resharded on 2 and as plain tensors on 1;
+optimizer state and non-tensor values; a failing storage; async equals sync; the files; storage plugins."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import checkpoint_helpers as h
+import pytest
+import torch
+
+import spmd.checkpoint as dcp
+from spmd.checkpoint.metadata import METADATA_FILE
+
+
+def _files(root: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+@pytest.fixture(scope="module")
+def saved_on_four(tmp_path_factory, spmd_world_pool):
+    path = str(tmp_path_factory.mktemp("ckpt") / "four")
+    spmd_world_pool.get(4, "gloo").run(h.save_on_four, path, timeout=120)
+    return path
+
+
+def test_save_on_four_load_on_two_with_other_placements(spmd_world, saved_on_four):
+    for rank, r in enumerate(spmd_world(2, "gloo").run(h.load_on_two, saved_on_four, timeout=120)):
+        assert r.pop("w_local") == (10, 3), rank
+        assert all(r.values()), (rank, r)
+
+
+def test_save_on_four_load_on_one_rank_as_plain_tensors(spmd_world, saved_on_four):
+    (r,) = spmd_world(1, "gloo").run(h.load_plain, saved_on_four, timeout=120)
+    assert all(r.values()), r
+
+
+def test_load_in_one_process_without_init(saved_on_four):
+    r = h.load_plain(saved_on_four)
+    assert all(r.values()), r
+
+
+def test_every_file_is_safetensors_or_json_and_opens(saved_on_four):
+    from safetensors import safe_open
+
+    files = _files(saved_on_four)
+    assert METADATA_FILE in files
+    for name in files:
+        assert name.endswith((".safetensors", ".json")), name
+        full = os.path.join(saved_on_four, name)
+        if name.endswith(".json"):
+            with open(full) as f:
+                json.load(f)
+        else:
+            with safe_open(full, "pt") as f:
+                for key in f.keys():
+                    f.get_tensor(key)
+
+
+def test_replicated_values_are_written_once_by_spread_writers(saved_on_four):
+    with open(os.path.join(saved_on_four, METADATA_FILE)) as f:
+        meta = json.load(f)
+    tensors = meta["tensors"]
+    assert len(tensors["model.rep"]["chunks"]) == 1  # replicated on 4 ranks, stored once
+    assert len(tensors["model.w"]["chunks"]) == 4  # one shard per rank (the last one short)
+    assert len(tensors["model.bf"]["chunks"]) == 2  # Replicate x Shard(1): two distinct shards
+    writers = {tensors[f"plain.{i}"]["chunks"][0]["file"] for i in range(4)}
+    assert len(writers) >= 2, writers  # equal replicated tensors spread over several writers
+    per_file: dict[str, int] = {}
+    for entry in tensors.values():
+        for c in entry["chunks"]:
+            per_file[c["file"]] = per_file.get(c["file"], 0) + c["end"] - c["begin"]
+    largest = max(c["end"] - c["begin"] for e in tensors.values() for c in e["chunks"])  # the RNG state
+    assert len(per_file) == 4 and max(per_file.values()) - min(per_file.values()) <= largest, per_file
+    assert meta["values"]["step"] == 17 and meta["values"]["loader.position"] == 1234
+
+
+def test_optimizer_state_round_trips_from_tp_to_ddp(spmd_world, tmp_path):
+    path = str(tmp_path / "tp")
+    saved = spmd_world(2, "gloo").run(h.save_tp_training, path, timeout=120)[0]
+    for r in spmd_world(4, "gloo").run(h.resume_ddp, path, timeout=120):
+        assert r["keys"] == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "scale"]  # no "module."
+        assert r["step"] == 3 and r["betas"] == (0.8, 0.9)
+        assert set(r["values"]) == set(saved)
+        for key, value in saved.items():
+            if isinstance(value, list) and key != "optim.param_groups":
+                assert torch.allclose(torch.tensor(r["values"][key]), torch.tensor(value)), key
+            else:
+                assert r["values"][key] == value, key
+
+
+def test_failing_storage_leaves_the_previous_checkpoint(spmd_world, tmp_path):
+    path = str(tmp_path / "atomic")
+    results = spmd_world(2, "gloo").run(h.save_then_fail, path, f"failing://{path}", timeout=120)
+    with open(os.path.join(path, METADATA_FILE), "rb") as f:
+        committed = f.read()
+    for r in results:
+        assert "No space left on device (simulated)" in r["error"] and "rank 1" in r["error"], r["error"]
+        assert "previous" in r["error"] or "unchanged" in r["error"]
+        assert r["x"] == list(range(8)) and r["step"] == 1
+    data_dirs = [n for n in os.listdir(path) if n.startswith("data-")]
+    assert len(data_dirs) == 1 and json.loads(committed)["data_dir"] == data_dirs[0]  # the failed save's data is gone
+
+
+def test_partial_checkpoint_fails_clearly(tmp_path):
+    dcp.save({"x": torch.ones(3)}, checkpoint_id=str(tmp_path / "p"))
+    os.unlink(tmp_path / "p" / METADATA_FILE)  # as a save killed before its commit leaves it
+    with pytest.raises(dcp.CheckpointError, match="partial"):
+        dcp.load({"x": torch.zeros(3)}, checkpoint_id=str(tmp_path / "p"))
+    with pytest.raises(dcp.CheckpointError, match="no checkpoint"):
+        dcp.load({"x": torch.zeros(3)}, checkpoint_id=str(tmp_path / "nothing"))
+
+
+def test_async_save_equals_sync_save(spmd_world, tmp_path):
+    a, b = str(tmp_path / "async"), str(tmp_path / "sync")
+    results = spmd_world(2, "gloo").run(h.async_vs_sync, a, b, timeout=120)
+    assert results[0]["second"]  # rank 0 gets the committed metadata
+    assert all(r["second_done"] for r in results)  # the sync save waited for it
+    r = h.load_two_and_compare(a, b)
+    assert r["equal"] and r["w_ok"], r
+
+
+def test_third_party_storage_scheme_from_a_plugin(spmd_world, tmp_path):
+    path = str(tmp_path / "flat")
+    for r in spmd_world(2, "gloo").run(h.third_party_roundtrip, path, timeout=120):
+        assert r == {"equal": True, "n": 3, "bytes_read": 5 * 6 * 4}  # a rank's rows, not the whole tensor
+    names = os.listdir(path)
+    assert METADATA_FILE in names and any("~rank-00000.safetensors" in n for n in names), names
+
+
+def test_fsspec_memory_url_and_unknown_scheme(tmp_path):
+    pytest.importorskip("fsspec")
+    state = {"x": torch.arange(6.0).reshape(2, 3), "v": [1, "a"]}
+    dcp.save(state, checkpoint_id="memory://spmd-test/ckpt")
+    out = {"x": torch.zeros(2, 3), "v": None}
+    dcp.load(out, checkpoint_id="memory://spmd-test/ckpt")
+    assert torch.equal(out["x"], state["x"]) and out["v"] == [1, "a"]
+    with pytest.raises(Exception, match="nosuchscheme"):
+        dcp.save(state, checkpoint_id="nosuchscheme://x")
+
+
+def test_not_json_value_is_a_named_error(tmp_path):
+    with pytest.raises(dcp.CheckpointError, match=r"state_dict\['obj'\].*no pickles"):
+        dcp.save({"obj": object()}, checkpoint_id=str(tmp_path / "x"))
+
+
+def test_cli_inspect_consolidate_import_torch(saved_on_four, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from spmd.cli import main
+
+    assert main(["checkpoint", "inspect", saved_on_four]) == 0
+    table = capsys.readouterr().out
+    assert "model.w" in table and "10x6" in table and "S(0)" in table and "S(0),S(1)" in table
+    assert "loader.position" in table and "1234" in table
+    out = str(tmp_path / "full.safetensors")
+    assert main(["checkpoint", "consolidate", saved_on_four, out]) == 0
+    full = load_file(out)
+    assert torch.equal(full["model.m"], h.full_values()["m"]) and torch.equal(full["plain.3"], h.full_values()["plain3"])
+    pt = tmp_path / "old.pt"
+    torch.save({"w": torch.arange(6.0), "step": 4}, pt)
+    assert main(["checkpoint", "import-torch", str(pt), str(tmp_path / "imported")]) == 0
+    assert "unpickling" in capsys.readouterr().err
+    state = {"w": torch.zeros(6), "step": 0}
+    dcp.load(state, checkpoint_id=str(tmp_path / "imported"))
+    assert torch.equal(state["w"], torch.arange(6.0)) and state["step"] == 4
+    assert main(["checkpoint", "inspect", str(tmp_path / "none")]) == 2
+
+
+def _train(tmp_path, *extra: str) -> list[str]:
+    import pathlib
+    import socket
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--d-model", "32", "--layers", "1", "--heads", "2", "--batch-size", "4", "--corpus-chars", "20000",
+            "--log-every", "1", *extra]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, str(root / "examples" / "train.py"), *args],
+                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    return outputs
+
+
+def test_train_example_saves_every_k_steps_and_resumes_exactly(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    _train(tmp_path, "--steps", "8", "--save-every", "3", "--checkpoint-dir", ckpt, "--out", str(tmp_path / "straight.pt"))
+    assert sorted(os.listdir(ckpt)) == ["step-000003", "step-000006", "step-000008"]  # every 3 steps and the last
+    os.unlink(os.path.join(ckpt, "step-000008", METADATA_FILE))  # as if the job died before committing step 8
+    out = _train(tmp_path, "--steps", "8", "--save-every", "3", "--checkpoint-dir", ckpt, "--resume",
+                 "--out", str(tmp_path / "resumed.pt"))
+    assert f"resumed from {ckpt}/step-000006 at step 6" in out[0]
+    resumed, straight = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "straight.pt")
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)  # model, optimizer and data order restored
+
+
+def test_full_state_dict_gathers_and_loads_into_shards(spmd_world):
+    for r in spmd_world(2, "gloo").run(h.full_and_sharded_state_dicts, timeout=120):
+        assert r == {"plain": True, "sharded": True, "model_equal": True, "optim_equal": True}
+
+
+def test_a_rank_that_cannot_save_fails_every_rank_and_async_failures_reach_the_future(spmd_world, tmp_path):
+    world = spmd_world(2, "gloo")
+    for message in world.run(h.one_rank_refuses, str(tmp_path / "r"), timeout=60):
+        assert "refused, nothing written" in message and "rank 0" in message and "no pickles" in message
+    assert not os.path.exists(tmp_path / "r" / METADATA_FILE)
+    for message in world.run(h.async_save_failure, str(tmp_path / "a"), timeout=60):
+        assert "No space left on device (simulated)" in message

@@ -216,3 +216,39 @@ def test_a_rank_that_cannot_save_fails_every_rank_and_async_failures_reach_the_f
     assert not os.path.exists(tmp_path / "r" / METADATA_FILE)
     for message in world.run(h.async_save_failure, str(tmp_path / "a"), timeout=60):
         assert "No space left on device (simulated)" in message
+
+
+def _storage_plugin(overrides: bool) -> object:
+    from spmd.checkpoint.filesystem import FileStorage
+    from spmd.markers import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def spmd_storages(self) -> list[dcp.StorageSpec]:
+            return [dcp.StorageSpec(("dup",), FileStorage, overrides=overrides)]
+
+    return Plugin()
+
+
+def test_two_plugins_with_one_scheme_conflict_unless_one_overrides():
+    from spmd import PluginConflictError
+    from spmd.checkpoint import storage
+    from spmd.plugins import manager
+
+    pm = manager()
+    pm.register(_storage_plugin(False), name="dup-a")
+    pm.register(_storage_plugin(False), name="dup-b")
+    try:
+        storage.reset()
+        with pytest.raises(PluginConflictError, match="two plugins: 'dup-[ab]' and 'dup-[ab]'"):
+            storage.storages()
+        pm.unregister(name="dup-b")
+        pm.register(_storage_plugin(True), name="dup-c")
+        storage.reset()
+        assert storage.storages()["dup"].plugin == "dup-c"
+        assert storage.storages()["file"].plugin == "spmd.checkpoint.filesystem"
+    finally:
+        for name in ("dup-a", "dup-b", "dup-c"):
+            if pm.get_plugin(name) is not None:
+                pm.unregister(name=name)
+        storage.reset()

@@ -252,3 +252,16 @@ def test_two_plugins_with_one_scheme_conflict_unless_one_overrides():
             if pm.get_plugin(name) is not None:
                 pm.unregister(name=name)
         storage.reset()
+
+
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(spmd_world, tmp_path):
+    path = str(tmp_path / "killed")
+    with pytest.raises(AssertionError):  # the world reports the dead rank (and rank 0's failed exchange)
+        spmd_world(2, "gloo").run(h.save_then_die, path, f"dying://{path}", timeout=90)
+    data = [n for n in os.listdir(path) if n.startswith("data-")]
+    assert len(data) == 2  # the killed save's data stays until the next save; it is never committed
+    state = {"x": torch.zeros(8), "y": torch.zeros(8), "step": 0}
+    dcp.load(state, checkpoint_id=path)
+    assert state["step"] == 1 and torch.equal(state["x"], torch.arange(8.0))
+    dcp.save(state, checkpoint_id=path)  # the next complete save removes the leftovers
+    assert len([n for n in os.listdir(path) if n.startswith("data-")]) == 1

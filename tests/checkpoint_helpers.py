@@ -309,3 +309,10 @@ def async_save_failure(path: str) -> str:
     except dcp.CheckpointError as error:
         return str(error)
     return "no error"
+
+
+def save_then_die(good: str, bad: str) -> None:
+    """Save to ``good``, then again through a storage whose rank 1 dies half-way (rank 0 then fails too)."""
+    use_test_storage()
+    dcp.save({"x": torch.arange(8.0), "y": torch.arange(8.0), "step": 1}, checkpoint_id=good)
+    dcp.save({"x": torch.zeros(8), "y": torch.zeros(8), "step": 2}, checkpoint_id=bad)

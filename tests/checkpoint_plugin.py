@@ -64,9 +64,23 @@ class FailingStorage(FileStorage):
         return super().write(path, parts)
 
 
+class DyingStorage(FileStorage):
+    """The file storage, except that rank 1 dies (``os._exit``) half-way through its safetensors write."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url[len("dying://") :])
+
+    def write(self, path: str, parts: Iterable[Buffer]) -> int:
+        if path.endswith(".safetensors") and spmd.get_rank() == 1:
+            super().write(path, [next(iter(parts))])
+            os._exit(3)  # a killed rank: no exception, no clean-up, no goodbye
+        return super().write(path, parts)
+
+
 @spmd.hookimpl
 def spmd_storages() -> list[StorageSpec]:
     return [
         StorageSpec(("flat",), FlatStorage, name="flat", description="test: one flat directory"),
         StorageSpec(("failing",), FailingStorage, name="failing", description="test: rank 1's writes fail"),
+        StorageSpec(("dying",), DyingStorage, name="dying", description="test: rank 1 dies while writing"),
     ]

@@ -216,3 +216,52 @@ def test_a_rank_that_cannot_save_fails_every_rank_and_async_failures_reach_the_f
     assert not os.path.exists(tmp_path / "r" / METADATA_FILE)
     for message in world.run(h.async_save_failure, str(tmp_path / "a"), timeout=60):
         assert "No space left on device (simulated)" in message
+
+
+def _storage_plugin(overrides: bool) -> object:
+    from spmd.checkpoint.filesystem import FileStorage
+    from spmd.markers import hookimpl
+
+    class Plugin:
+        @hookimpl
+        def spmd_storages(self) -> list[dcp.StorageSpec]:
+            return [dcp.StorageSpec(("dup",), FileStorage, overrides=overrides)]
+
+    return Plugin()
+
+
+def test_two_plugins_with_one_scheme_conflict_unless_one_overrides():
+    from spmd import PluginConflictError
+    from spmd.checkpoint import storage
+    from spmd.plugins import manager
+
+    pm = manager()
+    pm.register(_storage_plugin(False), name="dup-a")
+    pm.register(_storage_plugin(False), name="dup-b")
+    try:
+        storage.reset()
+        with pytest.raises(PluginConflictError, match="two plugins: 'dup-[ab]' and 'dup-[ab]'"):
+            storage.storages()
+        pm.unregister(name="dup-b")
+        pm.register(_storage_plugin(True), name="dup-c")
+        storage.reset()
+        assert storage.storages()["dup"].plugin == "dup-c"
+        assert storage.storages()["file"].plugin == "spmd.checkpoint.filesystem"
+    finally:
+        for name in ("dup-a", "dup-b", "dup-c"):
+            if pm.get_plugin(name) is not None:
+                pm.unregister(name=name)
+        storage.reset()
+
+
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(spmd_world, tmp_path):
+    path = str(tmp_path / "killed")
+    with pytest.raises(AssertionError):  # the world reports the dead rank (and rank 0's failed exchange)
+        spmd_world(2, "gloo").run(h.save_then_die, path, f"dying://{path}", timeout=90)
+    data = [n for n in os.listdir(path) if n.startswith("data-")]
+    assert len(data) == 2  # the killed save's data stays until the next save; it is never committed
+    state = {"x": torch.zeros(8), "y": torch.zeros(8), "step": 0}
+    dcp.load(state, checkpoint_id=path)
+    assert state["step"] == 1 and torch.equal(state["x"], torch.arange(8.0))
+    dcp.save(state, checkpoint_id=path)  # the next complete save removes the leftovers
+    assert len([n for n in os.listdir(path) if n.startswith("data-")]) == 1

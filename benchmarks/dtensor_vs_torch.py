@@ -63,7 +63,7 @@ def worker(args: argparse.Namespace) -> None:
     import spmd.tensor as stensor
 
     torch.set_num_threads(1)
-    rank, world = init_both()
+    rank, world = init_both("gloo", "gloo")
     results = {}
     sizes = [("mlp", args.batch, args.dim, args.hidden)]
     if args.small:

@@ -115,7 +115,7 @@ def worker(args: argparse.Namespace) -> None:
     from spmd.parallel import fully_shard
 
     torch.set_num_threads(1)
-    rank, world = init_both()
+    rank, world = init_both("gloo", "gloo")
     barrier = lambda: tdist.barrier()  # noqa: E731 - one barrier for every side
 
     torch.manual_seed(0)

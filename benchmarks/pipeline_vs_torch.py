@@ -69,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
     from spmd.pipeline import PipelineStage, get_schedule, simulate
 
     torch.set_num_threads(1)
-    rank, world = init_both()
+    rank, world = init_both("gloo", "gloo")
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B
 

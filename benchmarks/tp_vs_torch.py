@@ -119,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
     import spmd
 
     torch.set_num_threads(1)
-    rank, world = init_both()
+    rank, world = init_both("gloo", "gloo")
     frameworks = {"spmd": (_SpmdTP(), spmd.init_device_mesh("cpu", (world,))), "torch": (_TorchTP(), torch_mesh("cpu", (world,)))}
     rows = []
     for label in ("mlp", "block"):

@@ -60,10 +60,13 @@ def per_dimension_backend() -> dict[str, Any]:
     x = torch.arange(16.0).reshape(4, 4)
     dt = spmd.distribute_tensor(x, mesh, [Shard(0), Shard(1)])
     full = dt.full_tensor()
+    # torch's spelling: dimension index -> (backend, options)
+    torch_style = spmd.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), backend_override={1: ("p2p", None)})
     return {
         "tp": spmd.get_backend(mesh.get_group("tp")),
         "dp": spmd.get_backend(mesh.get_group("dp")),
         "equal": torch.equal(full, x),
+        "override_tp": spmd.get_backend(torch_style.get_group("tp")),
     }
 
 

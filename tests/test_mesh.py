@@ -34,4 +34,4 @@ def test_sub_mesh_in_another_dimension_order(spmd_world):
 def test_backend_per_mesh_dimension(spmd_world):
     pytest.importorskip("spmd_example_p2p")
     for r in spmd_world(4, "gloo").run(h.per_dimension_backend, timeout=120):
-        assert r == {"tp": "p2p", "dp": "gloo", "equal": True}
+        assert r == {"tp": "p2p", "dp": "gloo", "equal": True, "override_tp": "p2p"}

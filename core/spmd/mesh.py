@@ -196,13 +196,16 @@ def init_device_mesh(
     mesh_shape: Sequence[int],
     *,
     mesh_dim_names: Sequence[str] | None = None,
+    backend_override: Mapping[int | str, Any] | None = None,
     backend: BackendChoice = None,
 ) -> DeviceMesh:
     """A row-major mesh of every rank in the world with shape ``mesh_shape``.
 
     ``backend`` is one backend for every dimension (``"gloo"``), or one per
     dimension name (``{"dp": "gloo", "tp": "mpi"}``); unnamed dimensions use
-    the world's backends.
+    the world's backends. ``backend_override`` is torch's spelling of the same
+    (keys: dimension index or name; values: a backend name or a
+    ``(backend, options)`` pair), accepted so torch scripts port unchanged.
     """
     shape = tuple(int(s) for s in mesh_shape)
     world = get_world_size()
@@ -212,8 +215,30 @@ def init_device_mesh(
             f"world has {world}; choose a shape whose product is {world}, e.g. ({world},)"
         )
     _check_names(tuple(mesh_dim_names) if mesh_dim_names is not None else None, len(shape))
+    if backend_override:
+        if backend is not None:
+            raise ValueError("init_device_mesh: give backend= or torch's backend_override=, not both")
+        backend = _from_backend_override(backend_override, mesh_dim_names, len(shape))
     grid = torch.arange(world, dtype=torch.int64).reshape(shape)
     return DeviceMesh(device_type, grid, mesh_dim_names=mesh_dim_names, backend=backend)
+
+
+def _from_backend_override(
+    override: Mapping[int | str, Any], names: Sequence[str] | None, ndim: int
+) -> dict[str, str]:
+    """torch's ``{dim: backend or (backend, options)}`` as spmd's ``{name: backend}``."""
+    out: dict[str, str] = {}
+    for key, value in override.items():
+        if isinstance(key, int):
+            if names is None or not 0 <= key < ndim:
+                raise ValueError(
+                    f"init_device_mesh: backend_override key {key} needs mesh_dim_names and a dimension index below {ndim}"
+                )
+            key = names[key]
+        name = value[0] if isinstance(value, tuple) else value
+        if name is not None:
+            out[key] = name
+    return out
 
 
 def _check_names(names: tuple[str, ...] | None, ndim: int) -> None:

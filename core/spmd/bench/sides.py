@@ -1,8 +1,8 @@
 """Side-by-side benchmarks: spmd and torch.distributed in one process, timed alternately.
 
 Every ``benchmarks/*_vs_torch.py`` script runs both frameworks in the same
-ranks, so machine noise hits both alike: ``init_both`` joins spmd and torch's
-own Gloo group on one store (torch's keys under a prefix, spmd not posing as
+ranks, so machine noise hits both alike: ``init_both`` joins spmd and a torch
+process group on one store (torch's keys under a prefix, spmd not posing as
 torch's default group), ``alternate`` times one step of each side per round
 with the order rotating, and ``summary`` gives the medians and the ratios.
 """
@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 
-def init_both(backend: str = "gloo", timeout_s: float = 300.0) -> tuple[int, int]:
-    """spmd on ``backend`` and torch.distributed on Gloo, from torchrun's variables; returns (rank, world)."""
+def init_both(backend: str, torch_backend: str, timeout_s: float = 300.0) -> tuple[int, int]:
+    """spmd on ``backend`` and torch.distributed on ``torch_backend``, from torchrun's variables; returns (rank, world)."""
     import torch.distributed as tdist
 
     import spmd
@@ -25,7 +25,7 @@ def init_both(backend: str = "gloo", timeout_s: float = 300.0) -> tuple[int, int
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
     spmd.init(backend, store=store, rank=rank, world_size=world, timeout=timeout_s, torch_interop=False)
-    tdist.init_process_group("gloo", store=tdist.PrefixStore("torch/", store), rank=rank, world_size=world,
+    tdist.init_process_group(torch_backend, store=tdist.PrefixStore("torch/", store), rank=rank, world_size=world,
                              timeout=timedelta(seconds=timeout_s))
     return rank, world
 

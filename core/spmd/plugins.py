@@ -123,6 +123,8 @@ class PluginManager(pluggy.PluginManager):
                 continue
             finally:
                 _CALL_RECORD.reset(token)
+            if len(record) == len(results) and all(r is result for (_, r), result in zip(record, results)):
+                return record  # no wrapper changed the list: pluggy's results in call order
             owners = {id(result): plugin for plugin, result in record}
             return [(owners.get(id(result), "?"), result) for result in results if result is not None]
 

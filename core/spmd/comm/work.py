@@ -1,4 +1,24 @@
-"""Work: the handle of an operation that may still be running."""
+"""Work: the handle of an operation that may still be running.
+
+Timeouts nest in one order; the first one given wins:
+
+1. ``work.wait(timeout=...)`` bounds that one wait: it raises
+   CollectiveTimeoutError when it runs out, and the op keeps its own deadline.
+2. The op's ``timeout=`` (every collective, ``isend``/``irecv``/``send``/``recv``,
+   ``barrier``): the op's deadline. A synchronous call raises at it; an async
+   Work is failed at it by the watchdog (``spmd.debug.watchdog.expire_overdue``)
+   whether or not anyone waits, and its waiters, callbacks and futures all get
+   the error naming the op, the group, the sequence number and the ranks that
+   never arrived.
+3. The group's timeout (``new_group(timeout=)``, ``split_group(timeout=)``).
+4. The default: ``spmd.init(timeout=)``, else ``SPMD_TIMEOUT`` seconds, else 10 minutes;
+   groups made without a timeout inherit their parent's.
+
+The kernel attaches the op's deadline to every Work in ``lifecycle.complete``
+(``Work.default_timeout``), so nothing that goes through the kernel waits
+forever. A backend may also enforce the group timeout natively (Gloo does);
+an op timeout longer than the group's is then cut short by the backend.
+"""
 
 from __future__ import annotations
 
@@ -145,6 +165,21 @@ class Work:
             for callback in callbacks:
                 callback(self)
 
+    def _expire(self, error: BaseException) -> None:
+        """The kernel's deadline passed with this Work still running: fail it with ``error`` explained.
+
+        Called by the watchdog (``spmd.debug.watchdog.expire_overdue``) for an
+        async Work nobody waited out in time; every waiter, callback and future
+        then sees the explained error (op, group, sequence number, the ranks
+        that never arrived). A result the backend delivers later is ignored.
+        """
+        if self._is_done:
+            return
+        explained = self._explain(error)
+        if self._entry is not None:
+            self._entry.finish(error)
+        self._finish(None, explained)
+
     def _wait_native(self, timeout: float | None) -> bool:
         """Block until done or ``timeout`` seconds pass; return whether it finished."""
         if self._is_done:
@@ -229,7 +264,7 @@ class Work:
 
         def forward(work: Work) -> None:
             if work._error is not None:
-                future.set_exception(work._error)
+                future.set_exception(work._explain(work._error))  # the error path only
             else:
                 future.set_result(work._value)
 

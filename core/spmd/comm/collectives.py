@@ -41,7 +41,7 @@ from spmd.comm.work import Timeout, Work
 # -- reductions ----------------------------------------------------------------------
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False, *, timeout: Timeout = None) -> Work | None:
     """Reduce ``tensor`` across every rank of ``group``, in place, so all ranks hold the result."""
-    g, backend = route(group, tensor, "tensor", "all_reduce", op)
+    g, backend = route(group, tensor, "tensor", "all_reduce", op, timeout=timeout)
     call = begin(g, "all_reduce", (tensor,), op, None)
     if tensor.is_contiguous() and (op is not AVG or backend.supports_avg):
         return complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op, timeout=timeout)  # nothing to stage
@@ -64,7 +64,7 @@ def reduce(
     timeout: Timeout = None,
 ) -> Work | None:
     """Reduce ``tensor`` of every rank into ``dst``'s; other ranks' tensors are unchanged."""
-    g, backend = route(group, tensor, "tensor", "reduce", op)
+    g, backend = route(group, tensor, "tensor", "reduce", op, timeout=timeout)
     root = resolve_root(g, dst, group_dst, "dst", "reduce")
     call = begin(g, "reduce", (tensor,), op, root)
     staged = Contiguous(tensor)
@@ -85,7 +85,7 @@ def reduce_scatter_tensor(
     timeout: Timeout = None,
 ) -> Work | None:
     """Reduce ``input`` (group size blocks along dim 0, or flat) and give rank r block r in ``output``."""
-    g, backend = route(group, input, "input", "reduce_scatter_tensor", op)
+    g, backend = route(group, input, "input", "reduce_scatter_tensor", op, timeout=timeout)
     check_output(output, input, "output", "reduce_scatter_tensor")
     if input.numel() != output.numel() * g.size:
         raise ValueError(
@@ -138,7 +138,7 @@ def broadcast(
     timeout: Timeout = None,
 ) -> Work | None:
     """Copy ``src``'s ``tensor`` into every rank's ``tensor``."""
-    g, backend = route(group, tensor, "tensor", "broadcast")
+    g, backend = route(group, tensor, "tensor", "broadcast", timeout=timeout)
     root = resolve_root(g, src, group_src, "src", "broadcast")
     call = begin(g, "broadcast", (tensor,), None, root)
     if tensor.is_contiguous():
@@ -157,7 +157,7 @@ def all_gather_into_tensor(
     timeout: Timeout = None,
 ) -> Work | None:
     """Gather every rank's ``input_tensor`` into ``output_tensor`` (rank r's in block r)."""
-    g, backend = route(group, input_tensor, "input_tensor", "all_gather_into_tensor")
+    g, backend = route(group, input_tensor, "input_tensor", "all_gather_into_tensor", timeout=timeout)
     check_output(output_tensor, input_tensor, "output_tensor", "all_gather_into_tensor")
     if output_tensor.numel() != input_tensor.numel() * g.size:
         raise ValueError(
@@ -234,7 +234,7 @@ def all_to_all_single(
     timeout: Timeout = None,
 ) -> Work | None:
     """Rows of ``input`` go to each rank by ``input_split_sizes``; ``output`` collects by ``output_split_sizes``."""
-    g, backend = route(group, input, "input", "all_to_all_single")
+    g, backend = route(group, input, "input", "all_to_all_single", timeout=timeout)
     check_output(output, input, "output", "all_to_all_single")
     in_rows = input.shape[0] if input.dim() else input.numel()
     out_rows = output.shape[0] if output.dim() else output.numel()
@@ -309,7 +309,7 @@ def gather(
     root = resolve_root(g, 0 if dst is None and group_dst is None else dst, group_dst, "dst", "gather")
     is_root = g.rank == root
     check_root_list(g, root, gather_list, tensor, "gather_list", "gather", "destination")
-    backend = g.backend_for(tensor)
+    backend = g.backend_for(tensor, "gather", timeout)
     call = begin(g, "gather", (tensor,), None, root)
     staged = Contiguous(tensor)
     flat = pool.acquire(tensor.numel() * g.size, tensor.dtype, tensor.device) if is_root else None
@@ -343,7 +343,7 @@ def scatter(
     is_root = g.rank == root
     check_root_list(g, root, scatter_list, tensor, "scatter_list", "scatter", "source")
     packed = torch.cat([t.reshape(-1) for t in scatter_list]) if is_root and scatter_list is not None else None
-    backend = g.backend_for(tensor)
+    backend = g.backend_for(tensor, "scatter", timeout)
     call = begin(g, "scatter", (tensor,), None, root)
     staged = Contiguous(tensor, copy_in=False)
     work = backend.scatter(staged.tensor, packed, root)
@@ -359,7 +359,7 @@ def barrier(
     """Return once every rank of ``group`` has called barrier; raise after ``timeout`` (the group's by default)."""
     g = resolve_group(group)
     device = "cpu" if g.backend_map is None or "cpu" in g.backend_map else next(iter(g.backend_map))
-    backend = g.backend(device)
+    backend = g.backend(device, "barrier", timeout)
     call = begin(g, "barrier", (), None, None)
     return complete(backend.barrier(), g, "barrier", call, async_op, timeout=timeout)
 

@@ -265,3 +265,59 @@ def test_doctor_shows_usability_and_native_ops():
     out = subprocess.run([sys.executable, "-m", "spmd", "doctor"], capture_output=True, text=True, check=True).stdout
     assert "+ gloo [cpu]" in out and "usable" in out
     assert "native: all_gather_into_tensor, all_reduce" in out
+
+
+#: Plugins not yet moved onto the public NativeWork protocol (issue 13). The test below
+#: fails when one of them no longer needs to be here, so the list can only shrink.
+STILL_ON_KERNEL_PRIVATES = {"mpi", "ucc", "nccl"}
+
+
+def _kernel_private_uses(package_dir):
+    """Where a plugin touches the kernel's private names: Work subclasses, its underscore
+    attributes (unless the plugin's own class defines that name), ``from spmd... import _x``."""
+    import ast
+    import pathlib
+
+    from spmd.comm.backend import Backend
+    from spmd.comm.work import NativeWorkAdapter, Work
+
+    private = {n for cls in (Work, NativeWorkAdapter, Backend) for c in cls.__mro__ for n in vars(c)
+               if n.startswith("_") and not n.startswith("__") and n != "_abc_impl"}
+    found = []
+    for path in sorted(pathlib.Path(package_dir).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        own = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in ast.walk(node):
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        own.add(item.name)
+                    elif isinstance(item, (ast.AnnAssign, ast.Assign)):
+                        targets = [item.target] if isinstance(item, ast.AnnAssign) else item.targets
+                        own |= {t.id for t in targets if isinstance(t, ast.Name)}
+                        own |= {t.attr for t in targets if isinstance(t, ast.Attribute)}
+        for node in ast.walk(tree):
+            where = f"{path.name}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", getattr(b, "attr", "")) == "Work" for b in node.bases):
+                found.append(f"{where}: class {node.name} subclasses spmd's Work")
+            elif isinstance(node, ast.Attribute) and node.attr in private and node.attr not in own:
+                found.append(f"{where}: .{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("spmd."):
+                found += [f"{where}: imports {a.name} from {node.module}" for a in node.names if a.name.startswith("_")]
+    return found
+
+
+@pytest.mark.parametrize("plugin", ["gloo", "mpi", "ucc", "nccl", "plugin-p2p"])
+def test_plugins_use_only_the_kernels_public_names(plugin):
+    """Backends complete through the NativeWork protocol (or Work.completed/from_future), never
+    through Work's private state: a plugin that reaches into the kernel breaks when it changes."""
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    folder = root / "examples" / plugin if plugin == "plugin-p2p" else root / "plugins" / plugin
+    package = next(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("spmd_"))
+    uses = _kernel_private_uses(package)
+    if plugin in STILL_ON_KERNEL_PRIVATES:
+        assert uses, f"spmd-{plugin} no longer uses kernel private names: remove it from STILL_ON_KERNEL_PRIVATES"
+    else:
+        assert not uses, f"spmd-{plugin} uses the kernel's private names:\n" + "\n".join(uses)

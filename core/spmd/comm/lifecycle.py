@@ -13,7 +13,7 @@ import torch
 
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.work import Timeout, Work, seconds
+from spmd.comm.work import NativeWork, NativeWorkAdapter, Timeout, Work, seconds
 from spmd.debug import desync
 from spmd.debug.recorder import Entry, recorder
 
@@ -44,7 +44,7 @@ def begin(
 
 
 def complete(
-    work: Work,
+    work: Work | NativeWork,
     group: ProcessGroup,
     op: str,
     call: Call,
@@ -61,6 +61,8 @@ def complete(
     timeout): if nobody waits on it and it outlives that, the watchdog fails it
     (see ``spmd.comm.work`` for the order in which timeouts nest).
     """
+    if not isinstance(work, Work):  # the backend returned its own handle (the NativeWork protocol)
+        work = NativeWorkAdapter(work)  # (Work.from_native also checks the methods: not on the hot path)
     entry = call if isinstance(call, Entry) else recorder.start(group.name, group.next_seq(), *call)
     limit = group.timeout_s if timeout is None else seconds(timeout)
     work.default_timeout = limit

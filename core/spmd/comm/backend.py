@@ -22,9 +22,10 @@ a Work's private state, and ``tests/test_plugins.py`` checks that it does not):
   outstanding Work and aborts it through ``abort()``), the flight recorder,
   callbacks, futures, and errors that name the op, group and missing ranks.
 
-Capabilities are declared one way: the collectives a Backend subclass
-overrides are native (``Backend.native_ops()``); a spec's ``capabilities``
-only states them without importing the class (``spmd doctor``).
+Capabilities: the collectives a Backend subclass overrides are native
+(``Backend.native_ops()``); a spec's ``capabilities`` repeats them so that
+``spmd doctor`` need not import the class. (``supports_avg`` is still a third,
+separate declaration.)
 """
 
 from __future__ import annotations

@@ -117,6 +117,10 @@ class ProcessGroup:
             self.backends_by_device[device] = backend
         return backend
 
+    @staticmethod
+    def _arrival_key(device_type: str, group_rank: int) -> str:
+        return f"arrived/{device_type}/{group_rank}"
+
     def _await_members(self, device_type: str, backend_name: str, op: str, timeout: Timeout) -> None:
         """Wait until every member reached its first collective on this device, or name who did not.
 
@@ -126,8 +130,7 @@ class ProcessGroup:
         in Gloo's case, also printed C++ stack dumps from the peers' sockets).
         """
         limit = self.timeout_s if timeout is None else seconds(timeout)
-        keys = [f"arrived/{device_type}/{r}" for r in range(self.size)]
-        self.store.set(keys[self.rank], op)
+        keys = [self._arrival_key(device_type, r) for r in range(self.size)]
         try:
             self.store.wait(keys, timedelta(seconds=limit if limit is not None else self.timeout_s))
             return
@@ -157,6 +160,9 @@ class ProcessGroup:
             raise BackendUnavailableError(
                 f"backend {spec.name!r} (plugin {entry.plugin!r}) cannot run here: {reason}"
             )
+        # Every creation announces this rank (a first point-to-point op too: a peer whose first
+        # op is a collective waits for it); only a collective waits for every member.
+        self.store.set(self._arrival_key(device_type, self.rank), op or "point-to-point")
         if op is not None:
             self._await_members(device_type, spec.name, op, timeout)
         ctx = BackendContext(

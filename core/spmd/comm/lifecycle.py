@@ -76,9 +76,11 @@ def complete(
         if after is not None:
             work = work.then(after)
             work._entry, work._group = entry, group
-        recorder.watch(entry, work, limit)
+        if not work._is_done:  # (a finished Work has nothing left to age)
+            recorder.watch(entry, work, limit)
         return work
-    work.wait()  # the synchronous path waits natively, with no callback hop
+    if not work._is_done or work._error is not None:
+        work.wait()  # the synchronous path waits natively, with no callback hop
     if after is not None:
         after()
     return None

@@ -108,7 +108,12 @@ class Work:
     def completed(cls, value: Any = None) -> Work:
         """A Work that has already finished with ``value``."""
         work = cls()
-        work._finish(value, None)
+        if cls is Work:  # nobody else can see it yet: no lock, no event, no callbacks to run
+            work._is_done = True
+            if value is not None:
+                work._value = value
+        else:
+            work._finish(value, None)
         return work
 
     @classmethod

@@ -102,6 +102,11 @@ class BackendSpec:
     capabilities: frozenset[str] | None = None
     description: str = ""
     overrides: bool = False
+    #: ``precheck(ctx)``: None, or why this backend cannot serve ``ctx``'s group at all (a
+    #: launcher that does not match the library...). Called at the group's first use, before the
+    #: kernel waits for the other members, so a misconfiguration is named at once instead of
+    #: after a timeout; it may load the native library, and must not wait for peers.
+    precheck: Callable[[BackendContext], str | None] | None = None
     #: A command prefix that starts this backend's ranks (``("mpiexec", "-n", "{nproc}")``),
     #: for tools that launch jobs themselves (``spmd bench``); None means plain processes.
     launch: tuple[str, ...] | None = None

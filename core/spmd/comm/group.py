@@ -160,11 +160,6 @@ class ProcessGroup:
             raise BackendUnavailableError(
                 f"backend {spec.name!r} (plugin {entry.plugin!r}) cannot run here: {reason}"
             )
-        # Every creation announces this rank (a first point-to-point op too: a peer whose first
-        # op is a collective waits for it); only a collective waits for every member.
-        self.store.set(self._arrival_key(device_type, self.rank), op or "point-to-point")
-        if op is not None:
-            self._await_members(device_type, spec.name, op, timeout)
         ctx = BackendContext(
             rank=self.rank,
             size=self.size,
@@ -175,6 +170,14 @@ class ProcessGroup:
             device_type=device_type,
             global_ranks=self.ranks,
         )
+        problem = spec.precheck(ctx) if spec.precheck is not None else None
+        if problem is not None:
+            raise BackendUnavailableError(f"backend {spec.name!r} (plugin {entry.plugin!r}) cannot serve group {self.name!r}: {problem}")
+        # Every creation announces this rank (a first point-to-point op too: a peer whose first
+        # op is a collective waits for it); only a collective waits for every member.
+        self.store.set(self._arrival_key(device_type, self.rank), op or "point-to-point")
+        if op is not None:
+            self._await_members(device_type, spec.name, op, timeout)
         backend = None
         same_backend = self.parent is not None and self.parent.backend_name(device_type) == spec.name
         if self.parent is not None and device_type in self.parent._backends and same_backend:

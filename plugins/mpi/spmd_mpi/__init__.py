@@ -42,6 +42,14 @@ def _factory(ctx: spmd.BackendContext) -> spmd.Backend:
     return MpiBackend(ctx)
 
 
+def _precheck(ctx: spmd.BackendContext) -> str | None:
+    """Before the kernel waits for the group's members: can MPI's ranks be this group's at all?"""
+    from spmd_mpi.communicator import world_mismatch
+    from spmd_mpi.library import load_mpi
+
+    return world_mismatch(load_mpi(), ctx)
+
+
 def _capabilities() -> frozenset[str]:
     from spmd_mpi.backend import MpiBackend
 
@@ -57,6 +65,7 @@ def spmd_backends() -> Iterable[spmd.BackendSpec]:
             factory=_factory,
             priority=20,  # above gloo: spmd.init() under mpiexec picks MPI
             available=_available,
+            precheck=_precheck,
             capabilities=_capabilities(),
             description=probe.describe(),
             launch=probe.launch_prefix("{nproc}"),  # how tools such as `spmd bench` start MPI ranks

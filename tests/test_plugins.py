@@ -269,7 +269,7 @@ def test_doctor_shows_usability_and_native_ops():
 
 #: Plugins not yet moved onto the public NativeWork protocol (issue 13). The test below
 #: fails when one of them no longer needs to be here, so the list can only shrink.
-STILL_ON_KERNEL_PRIVATES = {"mpi", "nccl"}
+STILL_ON_KERNEL_PRIVATES = {"nccl"}
 
 
 def _kernel_private_uses(package_dir):

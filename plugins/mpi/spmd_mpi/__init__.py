@@ -43,11 +43,22 @@ def _factory(ctx: spmd.BackendContext) -> spmd.Backend:
 
 
 def _precheck(ctx: spmd.BackendContext) -> str | None:
-    """Before the kernel waits for the group's members: can MPI's ranks be this group's at all?"""
-    from spmd_mpi.communicator import world_mismatch
-    from spmd_mpi.library import load_mpi
+    """Before the kernel waits for the group's members: can MPI's ranks be this group's at all?
 
-    return world_mismatch(load_mpi(), ctx)
+    Does not initialise MPI (MPI_Init may wait for every rank): a launcher of
+    the wrong family is judged from the environment, the full world check only
+    once MPI is loaded (the factory does it otherwise, after the members met).
+    """
+    mismatch = probe.mismatched_mpiexec()
+    if mismatch is not None:
+        return mismatch
+    from spmd_mpi import library
+
+    if library.MPI is None:
+        return None
+    from spmd_mpi.communicator import world_mismatch
+
+    return world_mismatch(library.MPI, ctx)
 
 
 def _capabilities() -> frozenset[str]:

@@ -47,6 +47,59 @@ def skip_a_collective(timeout: float) -> str:
     return "no error"
 
 
+def unwaited_async_op(group_timeout: float, op_timeout: float | None) -> str:
+    """Rank 0 starts an async all_reduce that nobody waits on; rank 1 never joins it.
+
+    Returns ``"elapsed|callback elapsed|error"`` on rank 0: how long until the
+    Work's future failed, until its callback ran, and the future's error.
+    Rank 1 stays alive (its watchdog publishes progress) until rank 0 is done.
+    """
+    from spmd.comm.state import get_state
+
+    store = get_state().store
+    group = spmd.new_group([0, 1], timeout=group_timeout)
+    spmd.all_reduce(torch.ones(1), group=group)  # both ranks connect
+    if spmd.get_rank() != 0:
+        store.wait(["unwaited/rank0_done"])
+        return "skipped"
+    try:
+        start = time.monotonic()
+        work = spmd.all_reduce(torch.ones(4), group=group, async_op=True, timeout=op_timeout)
+        called: list[float] = []
+        work.add_done_callback(lambda w: called.append(time.monotonic() - start))
+        future = work.get_future()
+        while not future.done() and time.monotonic() - start < 60:
+            time.sleep(0.02)
+        elapsed = time.monotonic() - start
+        try:
+            future.wait()
+            return "no error"
+        except Exception as error:  # noqa: BLE001 - the error is the result
+            return f"{elapsed:.2f}|{called[0] if called else -1:.2f}|{type(error).__name__}: {error}"
+    finally:
+        store.set("unwaited/rank0_done", "1")
+
+
+def sync_op_timeout(group_timeout: float, op_timeout: float) -> str:
+    """Rank 0's all_reduce(timeout=op_timeout) on a group with a longer timeout, rank 1 not joining."""
+    from spmd.comm.state import get_state
+
+    store = get_state().store
+    group = spmd.new_group([0, 1], timeout=group_timeout)
+    spmd.all_reduce(torch.ones(1), group=group)
+    if spmd.get_rank() != 0:
+        store.wait(["sync_op_timeout/rank0_done"])
+        return "skipped"
+    start = time.monotonic()
+    try:
+        spmd.all_reduce(torch.ones(4), group=group, timeout=op_timeout)
+        return "no error"
+    except spmd.CollectiveTimeoutError as error:
+        return f"{time.monotonic() - start:.2f}|{error}"
+    finally:
+        store.set("sync_op_timeout/rank0_done", "1")
+
+
 def subgroup_ranks() -> tuple[int, list[int], int]:
     """new_group and split_group rank bookkeeping."""
     group = spmd.new_group([1, 2])
@@ -65,16 +118,33 @@ def async_overlap() -> list[float]:
     return [t[0].item() for t in tensors]
 
 
-def never_meet(timeout: float) -> str:
-    """Rank 0 alone uses a fresh group: its backend cannot even be created."""
+def never_meet(timeout: float) -> tuple[str, str]:
+    """Rank 0 alone uses a fresh group: its backend cannot even be created.
+
+    Returns rank 0's error and what reached its stderr (file descriptor 2,
+    where C++ writes) during the call and half a second after.
+    """
+    import os
+    import tempfile
+
     group = spmd.new_group([0, 1], timeout=timeout)
     if spmd.get_rank() != 0:
-        return "skipped"
-    try:
-        spmd.all_reduce(torch.ones(4), group=group)
-    except spmd.CollectiveTimeoutError as error:
-        return str(error)
-    return "no error"
+        return "skipped", ""
+    with tempfile.TemporaryFile() as captured:
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            try:
+                spmd.all_reduce(torch.ones(4), group=group)
+                message = "no error"
+            except spmd.CollectiveTimeoutError as error:
+                message = str(error)
+            time.sleep(0.5)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        return message, captured.read().decode(errors="replace")
 
 
 def split_group_torch_form() -> tuple[list[int] | None, float | None]:

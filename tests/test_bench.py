@@ -8,6 +8,7 @@ import pytest
 
 import bench_helpers
 from spmd.bench.launch import exit_status, launch_local, rendezvous_env
+from spmd.bench.report import enrich
 from spmd.bench.timing import bus_factor, iterations_for_bytes, size_sweep, stepped_sweep
 
 SPMD = [sys.executable, "-m", "spmd", "bench", "collectives"]
@@ -19,6 +20,22 @@ def test_size_sweep_and_bus_factors():
     assert bus_factor("all_reduce", 4) == pytest.approx(1.5)
     assert bus_factor("all_gather_into_tensor", 4) == pytest.approx(0.75)
     assert bus_factor("broadcast", 4) == 1.0
+
+
+def test_bandwidths_follow_nccl_tests():
+    """algbw = bytes / median, busbw = algbw x nccl-tests' factor; expected values worked out by hand."""
+    rows = [
+        {"op": "all_reduce", "bytes": 8_000_000, "median_s": 0.002, "world_size": 4},  # 4 GB/s, x 2*3/4
+        {"op": "all_gather_into_tensor", "bytes": 8_000_000, "median_s": 0.004, "world_size": 4},  # 2 GB/s, x 3/4
+        {"op": "reduce_scatter_tensor", "bytes": 3_000_000, "median_s": 0.001, "world_size": 3},  # 3 GB/s, x 2/3
+        {"op": "all_to_all_single", "bytes": 1_000_000, "median_s": 0.001, "world_size": 8},  # 1 GB/s, x 7/8
+        {"op": "broadcast", "bytes": 5_000_000, "median_s": 0.001, "world_size": 4},  # 5 GB/s, x 1
+        {"op": "sendrecv", "bytes": 1_000_000, "median_s": 0.0005, "world_size": 2},  # 2 GB/s, x 1
+        {"op": "all_reduce", "bytes": 1_000_000, "median_s": 0.001, "world_size": 1},  # one rank: x 1
+    ]
+    got = [(r["algbw_gbs"], r["busbw_gbs"]) for r in enrich(rows)]
+    expected = [(4.0, 6.0), (2.0, 1.5), (3.0, 2.0), (1.0, 0.875), (5.0, 5.0), (2.0, 2.0), (1.0, 1.0)]
+    assert got == [(pytest.approx(a), pytest.approx(b)) for a, b in expected]
 
 
 def test_stepped_sweep_and_byte_iterations():
@@ -54,8 +71,11 @@ def test_json_rows_follow_the_formulas(tmp_path):
     assert {(r["op"], r["bytes"]) for r in rows} == {("all_reduce", 4), ("all_reduce", 65536), ("sendrecv", 4), ("sendrecv", 65536)}
     for r in rows:
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["world_size"] == 2
         assert r["algbw_gbs"] == pytest.approx(r["bytes"] / r["median_s"] / 1e9)
-        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * bus_factor(r["op"], 2))
+        # nccl-tests' factors written out for 2 ranks (not recomputed with the code under test):
+        # all_reduce 2(n-1)/n = 1, send/recv 1. Other world sizes: test_bandwidths_follow_nccl_tests.
+        assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * {"all_reduce": 1.0, "sendrecv": 1.0}[r["op"]])
         assert r["ratio_vs_raw"] == pytest.approx(r["median_s"] / r["raw_median_s"])
     assert csv_path.read_text().startswith("backend,op,bytes,world_size,median_s")
     assert "[gloo]" not in out.stderr  # --json is quiet

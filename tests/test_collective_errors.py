@@ -69,7 +69,77 @@ def test_a_rank_that_never_arrives_is_a_timeout_error(spmd_world):
     assert results[1] == "skipped"
 
 
-def test_a_rank_missing_from_the_first_collective_is_a_named_timeout(spmd_world):
-    message = spmd_world(2, "gloo").run(helpers.never_meet, 1.0)[0]
-    assert "could not be created for 'cpu' on group 'group" in message
-    assert "Not every rank of the group reached its first collective" in message
+def _assert_names_the_stuck_op(message, limit):
+    assert "CollectiveTimeoutError" in message
+    assert "all_reduce on group 'group" in message and "(seq 1, ranks [0, 1])" in message
+    assert f"did not complete within {limit:.1f} s" in message
+    assert "ranks that never reached seq 1: [1]" in message
+
+
+def test_an_unwaited_async_op_fails_its_future_at_the_group_timeout(spmd_world):
+    """Nobody waits: the watchdog ages the Work and fails its future and callbacks, naming who never came."""
+    world = spmd_world(2, "gloo")
+    try:
+        rank0, rank1 = world.run(helpers.unwaited_async_op, 1.5, None)
+    finally:
+        world.kill()  # Gloo's half-done op stays behind: later tests get a fresh world
+    elapsed, called, message = rank0.split("|", 2)
+    assert 1.4 <= float(elapsed) <= 1.5 + 2.0, rank0
+    assert 1.4 <= float(called) <= 1.5 + 2.0, rank0
+    _assert_names_the_stuck_op(message, 1.5)
+    assert rank1 == "skipped"
+
+
+def test_a_per_op_timeout_shorter_than_the_groups_wins(spmd_world):
+    """all_reduce(timeout=1) on a 60 s group: the async Work fails at 1 s, and so does the sync call."""
+    world = spmd_world(2, "gloo")
+    try:
+        rank0, _ = world.run(helpers.unwaited_async_op, 60.0, 1.0)
+    finally:
+        world.kill()
+    elapsed, _, message = rank0.split("|", 2)
+    assert 0.9 <= float(elapsed) <= 1.0 + 2.0, rank0
+    _assert_names_the_stuck_op(message, 1.0)
+    world = spmd_world(2, "gloo")
+    try:
+        rank0, _ = world.run(helpers.sync_op_timeout, 60.0, 1.0)
+    finally:
+        world.kill()
+    elapsed, message = rank0.split("|", 1)
+    assert 0.9 <= float(elapsed) <= 1.0 + 2.0, rank0
+    assert "did not complete within 1.0 s" in message and "ranks that never reached seq 1: [1]" in message
+
+
+def _launcher(backend):
+    """How to start a world on ``backend`` here (a launcher, or () for none), or None and a reason to skip."""
+    from spmd.comm.registry import backends
+
+    if backend not in backends().names():
+        return None, f"backend {backend!r} is not installed"
+    reason = backends().get(backend).spec.unavailable_reason()
+    if reason is not None:
+        return None, reason
+    if backend != "mpi":
+        return (), ""
+    from spmd_mpi import probe
+
+    path, why = probe.find_mpiexec()
+    return (tuple(probe.mpiexec_command("{n}", path)), "") if path else (None, why)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "ucc", "p2p"])
+def test_a_rank_missing_from_the_first_collective_is_a_named_timeout(spmd_world, backend):
+    """The op, the group and the rank that never arrived, from the kernel; no C++ stack dump on stderr."""
+    launcher, reason = _launcher(backend)
+    if launcher is None:
+        pytest.skip(reason)
+    world = spmd_world(2, backend, launcher=launcher or None)
+    try:
+        (message, stderr), skipped = world.run(helpers.never_meet, 1.0)
+    finally:
+        world.kill()  # rank 0 gave up on a group rank 1 never joined: later tests get a fresh world
+    assert "all_reduce on group 'group" in message and "(seq 0, ranks [0, 1])" in message, message
+    assert "did not complete within 1.0 s: ranks [1] never reached their first collective" in message, message
+    assert "keys:" not in message and "/cpu/" not in message  # not a store key
+    assert "Exception raised from" not in stderr and "Traceback" not in stderr, stderr
+    assert tuple(skipped) == ("skipped", "")

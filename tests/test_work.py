@@ -89,3 +89,99 @@ def test_then_step_that_raises_fails_the_work():
     chained = spmd.Work.completed().then(broken)
     with pytest.raises(RuntimeError, match="decompress failed"):
         chained.wait(1)
+
+
+class FakeNative:
+    """A backend handle that implements only the public NativeWork protocol."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.failure = None
+        self.aborted = False
+
+    def finish(self, failure=None):
+        self.failure = failure
+        self.done.set()
+
+    def poll(self):
+        return self.done.is_set()
+
+    def wait(self, timeout):
+        return self.done.wait(timeout)
+
+    def abort(self):
+        self.aborted = True
+
+    def error(self):
+        return self.failure
+
+
+def test_from_native_waits_polls_and_carries_errors():
+    native = FakeNative()
+    work = spmd.Work.from_native(native)
+    assert not work.is_completed()
+    with pytest.raises(spmd.CollectiveTimeoutError, match="did not complete within 0.1 s"):
+        work.wait(0.1)
+    native.finish()
+    assert work.is_completed() and work.wait(1) and work.exception() is None
+
+    failing_native = FakeNative()
+    failing = spmd.Work.from_native(failing_native)
+    failing_native.finish(ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        failing.wait(1)
+
+    timed_out = FakeNative()
+    late = spmd.Work.from_native(timed_out)
+    late.default_timeout = 3.0
+    timed_out.finish(TimeoutError("the backend's own clock ran out"))
+    with pytest.raises(spmd.CollectiveTimeoutError, match=r"within 3.0 s \(the backend's own clock ran out\)"):
+        late.wait()
+
+
+def test_from_native_callbacks_and_futures_without_a_native_callback():
+    """The kernel waits in a helper thread for a native handle that cannot call back."""
+    native = FakeNative()
+    work = spmd.Work.from_native(native)
+    seen = []
+    work.add_done_callback(lambda w: seen.append(w.exception()))
+    future = work.get_future()
+    native.finish(RuntimeError("lost a peer"))
+    with pytest.raises(RuntimeError, match="lost a peer"):
+        future.wait()
+    assert len(seen) == 1 and "lost a peer" in str(seen[0])
+
+
+def test_from_native_uses_the_native_callback_when_there_is_one():
+    class WithCallback(FakeNative):
+        def add_done_callback(self, fn):
+            self.fn = fn
+
+    native = WithCallback()
+    work = spmd.Work.from_native(native)
+    seen = []
+    work.add_done_callback(lambda w: seen.append("done"))
+    assert not seen
+    native.finish()
+    native.fn()
+    assert seen == ["done"] and work.is_completed()
+
+
+def test_an_expired_native_work_is_aborted_and_fails_with_the_kernels_error():
+    native = FakeNative()
+    work = spmd.Work.from_native(native)
+    work._expire(spmd.CollectiveTimeoutError("all_reduce ... did not complete within 1.0 s"))
+    assert native.aborted
+    with pytest.raises(spmd.CollectiveTimeoutError, match="within 1.0 s"):
+        work.wait(0)
+    native.finish()  # the late result is ignored
+    assert isinstance(work.exception(), spmd.CollectiveTimeoutError)
+
+
+def test_from_native_names_the_missing_method():
+    class Partial:
+        def poll(self):
+            return True
+
+    with pytest.raises(TypeError, match="Partial is not a spmd NativeWork: it has no wait"):
+        spmd.Work.from_native(Partial())

@@ -8,36 +8,34 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from spmd.plugins import PluginInfo, manager
+from spmd.plugins import manager
+
+#: The hooks whose results ``spmd plugins`` lists, and how each is labelled.
+_LISTED_HOOKS = ("spmd_backends", "spmd_strategies", "spmd_schedules", "spmd_storages", "spmd_cluster_environments", "spmd_sharding_rules")
 
 
-def _provides(info: PluginInfo) -> dict[str, list[str]]:
-    """What one plugin contributes, per hook, read from its hook results."""
+def _provided() -> dict[str, dict[str, list[str]]]:
+    """What every plugin contributes, per hook: each hook called once, through pluggy.
+
+    A plugin whose hook raises is marked broken by the manager (and shown so).
+    """
     pm = manager()
-    provided: dict[str, list[str]] = {}
-    if not info.loaded:
-        return provided
-    plugin = pm.get_plugin(info.name)
-    for hook_name in ("spmd_backends", "spmd_strategies", "spmd_schedules", "spmd_storages", "spmd_cluster_environments", "spmd_sharding_rules"):
-        impl = getattr(plugin, hook_name, None)
-        if impl is None:
-            continue
-        try:
-            result = impl()
-        except Exception as error:  # noqa: BLE001 - shown, not fatal
-            provided[hook_name] = [f"<error: {error}>"]
-            continue
-        if hook_name == "spmd_backends":
-            provided["backends"] = [f"{s.name} ({', '.join(s.devices)})" for s in result]
-        elif hook_name == "spmd_sharding_rules":
-            provided["sharding rules"] = [f"{len(result)} ops"]
-        else:
-            label = hook_name.removeprefix("spmd_").replace("_", " ")
-            provided[label] = [getattr(x, "name", getattr(x, "__name__", repr(x))) for x in result]
+    provided: dict[str, dict[str, list[str]]] = {}
+    for hook_name in _LISTED_HOOKS:
+        for plugin, result in pm.call_hook(hook_name):
+            if hook_name == "spmd_backends":
+                label, names = "backends", [f"{s.name} ({', '.join(s.devices)})" for s in result]
+            elif hook_name == "spmd_sharding_rules":
+                label, names = "sharding rules", [f"{len(result)} ops"]
+            else:
+                label = hook_name.removeprefix("spmd_").replace("_", " ")
+                names = [getattr(x, "name", getattr(x, "__name__", repr(x))) for x in result]
+            provided.setdefault(plugin, {}).setdefault(label, []).extend(names)
     return provided
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    provided = _provided()  # first: a hook that raises marks its plugin broken
     infos = list(manager().infos.values())
     rows: list[dict[str, Any]] = []
     for info in infos:
@@ -49,7 +47,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             "builtin": info.builtin,
             "status": status,
             "error": info.error,
-            "provides": _provides(info),
+            "provides": provided.get(info.name, {}) if info.loaded else {},
         })
     if args.json:
         print(json.dumps(rows, indent=2))

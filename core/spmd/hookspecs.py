@@ -24,14 +24,23 @@ Implementations may accept fewer arguments than the spec, so hooks can grow.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from spmd.markers import hookspec
 
+if TYPE_CHECKING:  # annotations only: importing these at run time would load the whole kernel
+    from spmd.bench.timing import PeerContext
+    from spmd.comm.backend import BackendSpec
+    from spmd.launch.environments import ClusterEnvironment
+    from spmd.parallel.registry import StrategySpec
+
+    #: What a bench peer factory returns: op name -> ``make(nbytes) -> call()``.
+    PeerMakers = Mapping[str, Callable[[int], Callable[[], object]]]
+
 
 @hookspec
-def spmd_backends() -> Iterable[Any]:
+def spmd_backends() -> Iterable[BackendSpec]:
     """Return the communication backends this plugin provides.
 
     Signature: ``spmd_backends() -> Iterable[spmd.BackendSpec]``.
@@ -71,7 +80,7 @@ def spmd_sharding_rules() -> Mapping[Any, Any]:
 
 
 @hookspec
-def spmd_strategies() -> Iterable[Any]:
+def spmd_strategies() -> Iterable[StrategySpec]:
     """Return parallelism strategies (DDP, FSDP, ...) that ``spmd.parallelize`` can apply by name.
 
     Signature: ``spmd_strategies() -> Iterable[spmd.parallel.StrategySpec]`` (``name``,
@@ -88,7 +97,7 @@ def spmd_strategies() -> Iterable[Any]:
 
 
 @hookspec
-def spmd_schedules() -> Iterable[Any]:
+def spmd_schedules() -> Iterable[type]:
     """Return pipeline schedule classes.
 
     Signature: ``spmd_schedules() -> Iterable[type[spmd.pipeline.Schedule]]``; each class has a
@@ -148,7 +157,7 @@ def spmd_storages() -> Iterable[Any]:
 
 
 @hookspec
-def spmd_cluster_environments() -> Iterable[Any]:
+def spmd_cluster_environments() -> Iterable[ClusterEnvironment]:
     """Return cluster environments that read rank, world size and master from the environment.
 
     Signature: ``spmd_cluster_environments() -> Iterable[ClusterEnvironment]``.
@@ -161,7 +170,7 @@ def spmd_cluster_environments() -> Iterable[Any]:
 
 
 @hookspec
-def spmd_bench_peers() -> Mapping[str, Any]:
+def spmd_bench_peers() -> Mapping[str, Callable[[PeerContext], PeerMakers]]:
     """Return raw-library peers for ``spmd bench --vs-raw``, keyed by backend name.
 
     Signature: ``spmd_bench_peers() -> Mapping[str, Callable[[spmd.bench.PeerContext], Mapping[str, Callable]]]``.
@@ -173,14 +182,3 @@ def spmd_bench_peers() -> Mapping[str, Any]:
     ProcessGroupGloo, mpi4py, ucxx, ...), so spmd's overhead can be measured against it.
     """
 
-
-#: Every hook name, for the docs meta-test and for ``spmd plugins``.
-HOOK_NAMES = (
-    "spmd_backends",
-    "spmd_sharding_rules",
-    "spmd_strategies",
-    "spmd_schedules",
-    "spmd_storages",
-    "spmd_cluster_environments",
-    "spmd_bench_peers",
-)

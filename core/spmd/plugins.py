@@ -16,6 +16,7 @@ else keeps working.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib
 import importlib.metadata
@@ -68,33 +69,121 @@ class PluginInfo:
 
 
 class PluginManager(pluggy.PluginManager):
-    """pluggy's manager plus the load report for every plugin, broken ones included."""
+    """pluggy's manager plus the load report for every plugin, broken ones included.
+
+    Hooks are called through pluggy (``pm.hook.<name>(**kwargs)``), so
+    ``tryfirst``/``trylast``, wrappers and implementations that accept fewer
+    arguments than the spec all work: a hook can grow an argument and every
+    older implementation keeps being called. ``hook_results`` adds what the
+    registries need on top: which plugin returned what (recovered from pluggy's
+    own ``HookImpl`` records), and a plugin whose implementation raises is
+    reported as broken and skipped instead of failing the whole call.
+    """
 
     def __init__(self) -> None:
         super().__init__(PROJECT)
         self.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
 
-    def hook_results(self, hook_name: str) -> Iterator[tuple[str, Any]]:
-        """Call one hook on every plugin and yield (plugin name, result), skipping failures.
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        """Register ``plugin`` (pluggy's ``register``), guarding its hook implementations.
 
-        A plugin whose hook raises is marked broken in ``infos`` and skipped.
+        Each plain implementation is wrapped once, here, so that when it raises
+        the plugin is reported broken and the call goes on without its result,
+        and so that every result can be traced to the plugin that returned it.
+        Wrappers (``wrapper=True``/``hookwrapper=True``) are left as they are.
         """
-        caller = getattr(self.hook, hook_name)
-        for impl in reversed(caller.get_hookimpls()):  # registration order
+        registered = super().register(plugin, name)
+        if registered is None:
+            return None
+        for caller in self.get_hookcallers(plugin) or ():
+            for impl in caller.get_hookimpls():
+                if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
+                    # HookImpl.function is declared Final in pluggy's stubs; its argnames
+                    # (computed from the original at registration) stay what pluggy passes.
+                    setattr(impl, "function", _guarded(self, caller.name, impl.plugin_name, impl.function))  # noqa: B010
+        return registered
+
+    def call_hook(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call one hook through pluggy; return (plugin name, result) for every non-None result.
+
+        The order is pluggy's call order (``tryfirst`` first, then the most
+        recently registered plugin first, ``trylast`` last). Implementations
+        receive only the keyword arguments they declare. A plugin whose
+        implementation raises is marked broken in ``infos`` (with a warning)
+        and left out; one whose wrapper raises is left out of a retried call.
+        A result that a wrapper put in the list is attributed to ``"?"``.
+        """
+        excluded: list[object] = []
+        while True:
+            caller = self.subset_hook_caller(hook_name, excluded) if excluded else getattr(self.hook, hook_name)
+            token = _CALL_RECORD.set([])
             try:
-                result = impl.function()
-            except Exception as error:  # noqa: BLE001 - reported, not fatal
-                self._mark_broken(impl.plugin_name, f"{hook_name}() raised {type(error).__name__}: {error}")
+                results = caller(**kwargs)
+                record = _CALL_RECORD.get()
+            except Exception as error:
+                culprit = _raising_wrapper(caller, error)
+                if culprit is None:
+                    raise
+                self._mark_broken(culprit.plugin_name, f"{hook_name}() wrapper raised {type(error).__name__}: {error}")
+                excluded.append(culprit.plugin)
                 continue
-            if result is not None:
-                yield impl.plugin_name, result
+            finally:
+                _CALL_RECORD.reset(token)
+            if len(record) == len(results) and all(r is result for (_, r), result in zip(record, results)):
+                return record  # no wrapper changed the list: pluggy's results in call order
+            owners = {id(result): plugin for plugin, result in record}
+            return [(owners.get(id(result), "?"), result) for result in results if result is not None]
+
+    def hook_results(self, hook_name: str, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+        """Iterate ``call_hook(hook_name, **kwargs)``: (plugin name, result), broken plugins skipped."""
+        yield from self.call_hook(hook_name, **kwargs)
+
+    def hook_names(self) -> list[str]:
+        """The names of every hook with a specification (the live registry, not a hand-kept list)."""
+        return sorted(name for name, caller in vars(self.hook).items() if isinstance(caller, pluggy.HookCaller) and caller.spec is not None)
 
     def _mark_broken(self, name: str, message: str) -> None:
         info = self.infos.get(name)
         if info is not None and info.error is None:
             info.error = message
-        warnings.warn(f"spmd plugin {name!r} is broken and was skipped: {message}", stacklevel=3)
+        warnings.warn(f"spmd plugin {name!r} is broken and was skipped: {message}", stacklevel=4)
+
+
+#: The (plugin name, result) pairs of the hook call in progress in this context (see ``call_hook``).
+_CALL_RECORD: contextvars.ContextVar[list[tuple[str, Any]]] = contextvars.ContextVar("spmd_hook_call")
+
+
+def _guarded(pm: PluginManager, hook_name: str, plugin_name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` that records its result for ``call_hook`` and turns an exception into "broken, skipped"."""
+
+    @functools.wraps(function)  # pluggy reads the argument names through __wrapped__
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            result = function(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - reported, not fatal
+            pm._mark_broken(plugin_name, f"{hook_name}() raised {type(error).__name__}: {error}")
+            return None
+        if result is not None:
+            record = _CALL_RECORD.get(None)
+            if record is not None:
+                record.append((plugin_name, result))
+        return result
+
+    return guarded
+
+
+def _raising_wrapper(caller: pluggy.HookCaller, error: BaseException) -> pluggy.HookImpl | None:
+    """The wrapper implementation in whose frame ``error`` was raised, if one was."""
+    wrappers = {impl.function.__code__: impl for impl in caller.get_hookimpls() if (impl.wrapper or impl.hookwrapper) and hasattr(impl.function, "__code__")}
+    tb = error.__traceback__
+    found = None
+    while tb is not None:
+        impl = wrappers.get(tb.tb_frame.f_code)
+        if impl is not None:
+            found = impl
+        tb = tb.tb_next
+    return found
 
 
 def _names(variable: str) -> set[str]:

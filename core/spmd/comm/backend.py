@@ -5,6 +5,27 @@ implement natively comes from the generic algorithms in
 ``spmd.comm.algorithms``, run on the backend's own worker thread so that
 ``async_op=True`` is truly asynchronous. The kernel hands backends flat-able,
 contiguous tensors with group-local ranks, already validated.
+
+What an op method returns (the completion contract; a backend never touches
+a Work's private state, and ``tests/test_plugins.py`` checks that it does not):
+
+- ``Work.completed(value)`` for an op that finished synchronously;
+- ``Work.from_future(future)`` for one that a ``concurrent.futures.Future`` or
+  ``torch.futures.Future`` completes;
+- or the backend's own handle implementing ``spmd.comm.work.NativeWork``:
+  ``poll() -> bool`` (finished? never blocks), ``wait(timeout) -> bool`` (block
+  up to ``timeout`` seconds, None: no limit; True once finished), ``abort()``
+  (the kernel's deadline passed: give up) and ``error()`` (after finishing: the
+  failure or None; a timeout the backend detected is a ``TimeoutError``), and
+  optionally ``add_done_callback(fn)``. The kernel wraps it
+  (``Work.from_native``) and owns the rest: deadlines (the watchdog ages every
+  outstanding Work and aborts it through ``abort()``), the flight recorder,
+  callbacks, futures, and errors that name the op, group and missing ranks.
+
+Capabilities: the collectives a Backend subclass overrides are native
+(``Backend.native_ops()``); a spec's ``capabilities`` repeats them so that
+``spmd doctor`` need not import the class. (``supports_avg`` is still a third,
+separate declaration.)
 """
 
 from __future__ import annotations
@@ -24,7 +45,7 @@ from spmd.comm import algorithms
 from spmd.comm.algorithms.channel import Channel
 from spmd.comm.buffers import BufferPool
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.work import Work
+from spmd.comm.work import NativeWork, Work
 
 #: Tags at or above this value belong to the kernel's generic collectives.
 COLLECTIVE_TAG_BASE = 1 << 24
@@ -81,6 +102,11 @@ class BackendSpec:
     capabilities: frozenset[str] | None = None
     description: str = ""
     overrides: bool = False
+    #: ``precheck(ctx)``: None, or why this backend cannot serve ``ctx``'s group at all (a
+    #: launcher that does not match the library...). Called at the group's first use, before the
+    #: kernel waits for the other members, so a misconfiguration is named at once instead of
+    #: after a timeout; it may load the native library, and must not wait for peers.
+    precheck: Callable[[BackendContext], str | None] | None = None
     #: A command prefix that starts this backend's ranks (``("mpiexec", "-n", "{nproc}")``),
     #: for tools that launch jobs themselves (``spmd bench``); None means plain processes.
     launch: tuple[str, ...] | None = None
@@ -174,15 +200,15 @@ class Backend(abc.ABC):
 
     # -- required point-to-point --------------------------------------------------
     @abc.abstractmethod
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work | NativeWork:
         """Start sending ``tensor`` to group rank ``dst``; the Work completes when it is sent."""
 
     @abc.abstractmethod
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work | NativeWork:
         """Start receiving into ``tensor`` from group rank ``src``; completes when it arrived."""
 
     # -- generic machinery ----------------------------------------------------------
-    def _run_generic(self, algorithm: Callable[..., None], *args: Any) -> Work:
+    def _run_generic(self, algorithm: Callable[..., None], *args: Any) -> Work | NativeWork:
         state = self.__dict__
         if "_spmd_runner" not in state:
             state["_spmd_runner"] = _GenericRunner(f"spmd-generic-{self.ctx.group_name}")
@@ -201,25 +227,25 @@ class Backend(abc.ABC):
         return state["_spmd_runner"].submit(run)
 
     # -- collectives: generic unless overridden --------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work | NativeWork:
         """Reduce ``tensor`` across the group in place."""
         small = tensor.numel() * tensor.element_size() <= RING_THRESHOLD_BYTES or tensor.numel() < self.size
         algorithm = algorithms.all_reduce_recursive_doubling if small else algorithms.all_reduce_ring
         return self._run_generic(algorithm, tensor.view(-1), op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work | NativeWork:
         """Copy ``src``'s tensor into every rank's."""
         return self._run_generic(algorithms.broadcast_binomial, tensor.view(-1), src)
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work | NativeWork:
         """Reduce into ``dst``'s tensor; other ranks' tensors are left unchanged."""
         return self._run_generic(algorithms.reduce_binomial, tensor.view(-1), dst, op)
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work | NativeWork:
         """``output`` (size * input.numel() elements) gets rank r's input in block r."""
         return self._run_generic(algorithms.all_gather_ring, output.view(-1), input.view(-1))
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work | NativeWork:
         """Rank r's ``output`` gets the reduction of block r of every rank's input."""
         return self._run_generic(algorithms.reduce_scatter_ring, output.view(-1), input.view(-1), op)
 
@@ -229,7 +255,7 @@ class Backend(abc.ABC):
         input: torch.Tensor,
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
-    ) -> Work:
+    ) -> Work | NativeWork:
         """Rows ``input_split_sizes[i]`` of input go to rank i; output rows come from each rank.
 
         Split sizes are always given (the kernel fills equal splits in).
@@ -242,17 +268,17 @@ class Backend(abc.ABC):
             [c.reshape(-1) for c in in_chunks],
         )
 
-    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> Work:
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> Work | NativeWork:
         """On ``dst``, ``output`` (size * input.numel()) gets rank r's input in block r."""
         flat_out = None if output is None else output.view(-1)
         return self._run_generic(algorithms.gather_linear, flat_out, input.view(-1), dst)
 
-    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int) -> Work:
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int) -> Work | NativeWork:
         """Block r of ``src``'s input (size * output.numel()) lands in rank r's output."""
         flat_in = None if input is None else input.view(-1)
         return self._run_generic(algorithms.scatter_linear, output.view(-1), flat_in, src)
 
-    def barrier(self) -> Work:
+    def barrier(self) -> Work | NativeWork:
         """Complete once every rank of the group has entered the barrier."""
         return self._run_generic(algorithms.barrier_dissemination)
 

@@ -14,6 +14,7 @@ from spmd.comm.backend import Backend
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp, check_reduce_op
 from spmd.comm.state import resolve_group
+from spmd.comm.work import Timeout
 
 
 def check_tensor(tensor: object, what: str, op: str) -> torch.Tensor:
@@ -26,7 +27,7 @@ def check_tensor(tensor: object, what: str, op: str) -> torch.Tensor:
     return tensor
 
 
-def route(group: ProcessGroup | None, tensor: torch.Tensor, what: str, op: str, reduce_op: ReduceOp | None = None) -> tuple[ProcessGroup, Backend]:
+def route(group: ProcessGroup | None, tensor: torch.Tensor, what: str, op: str, reduce_op: ReduceOp | None = None, timeout: Timeout = None) -> tuple[ProcessGroup, Backend]:
     """Resolve the group, check ``tensor`` (and ``reduce_op`` on its dtype), and pick its device's backend.
 
     The shared prologue of the ops, in one frame: with Gloo threads sharing the
@@ -39,7 +40,7 @@ def route(group: ProcessGroup | None, tensor: torch.Tensor, what: str, op: str, 
     if reduce_op is not None:
         check_reduce_op(reduce_op, tensor.dtype)
     backend = g.backends_by_device.get(tensor.device)
-    return g, backend if backend is not None else g.backend_for(tensor)
+    return g, backend if backend is not None else g.backend_for(tensor, op, timeout)
 
 
 def check_output(output: torch.Tensor, input: torch.Tensor, what: str, op: str) -> None:

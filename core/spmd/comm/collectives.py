@@ -10,7 +10,6 @@ or returns the Work (lifecycle.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
 
 import torch
 
@@ -36,22 +35,22 @@ from spmd.comm.staging import (
     unpack_blocks,
 )
 from spmd.comm.state import resolve_group
-from spmd.comm.work import Work, seconds
+from spmd.comm.work import Timeout, Work
 
 
 # -- reductions ----------------------------------------------------------------------
-def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False) -> Work | None:
+def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False, *, timeout: Timeout = None) -> Work | None:
     """Reduce ``tensor`` across every rank of ``group``, in place, so all ranks hold the result."""
-    g, backend = route(group, tensor, "tensor", "all_reduce", op)
+    g, backend = route(group, tensor, "tensor", "all_reduce", op, timeout=timeout)
     call = begin(g, "all_reduce", (tensor,), op, None)
     if tensor.is_contiguous() and (op is not AVG or backend.supports_avg):
-        return complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op)  # nothing to stage
+        return complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op, timeout=timeout)  # nothing to stage
     native = native_op(backend, op)
     staged = Contiguous(tensor)
     work = backend.all_reduce(staged.tensor, native)
     steps = [average(staged.tensor, g.size)] if native is not op else []
     steps += staging_steps(staged, write_back=(staged,))
-    return complete(work, g, "all_reduce", call, async_op, sequence(*steps))
+    return complete(work, g, "all_reduce", call, async_op, sequence(*steps), timeout=timeout)
 
 
 def reduce(
@@ -61,9 +60,11 @@ def reduce(
     group: ProcessGroup | None = None,
     async_op: bool = False,
     group_dst: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work | None:
     """Reduce ``tensor`` of every rank into ``dst``'s; other ranks' tensors are unchanged."""
-    g, backend = route(group, tensor, "tensor", "reduce", op)
+    g, backend = route(group, tensor, "tensor", "reduce", op, timeout=timeout)
     root = resolve_root(g, dst, group_dst, "dst", "reduce")
     call = begin(g, "reduce", (tensor,), op, root)
     staged = Contiguous(tensor)
@@ -71,7 +72,7 @@ def reduce(
     work = backend.reduce(staged.tensor, root, native)
     steps = [average(staged.tensor, g.size)] if native is not op and g.rank == root else []
     steps += staging_steps(staged, write_back=(staged,) if g.rank == root else ())
-    return complete(work, g, "reduce", call, async_op, sequence(*steps))
+    return complete(work, g, "reduce", call, async_op, sequence(*steps), timeout=timeout)
 
 
 def reduce_scatter_tensor(
@@ -80,9 +81,11 @@ def reduce_scatter_tensor(
     op: ReduceOp = ReduceOp.SUM,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Timeout = None,
 ) -> Work | None:
     """Reduce ``input`` (group size blocks along dim 0, or flat) and give rank r block r in ``output``."""
-    g, backend = route(group, input, "input", "reduce_scatter_tensor", op)
+    g, backend = route(group, input, "input", "reduce_scatter_tensor", op, timeout=timeout)
     check_output(output, input, "output", "reduce_scatter_tensor")
     if input.numel() != output.numel() * g.size:
         raise ValueError(
@@ -93,13 +96,13 @@ def reduce_scatter_tensor(
     call = begin(g, "reduce_scatter_tensor", (input, output), op, None)
     native = native_op(backend, op)
     if native is op and input.is_contiguous() and output.is_contiguous():
-        return complete(backend.reduce_scatter_tensor(output, input, op), g, "reduce_scatter_tensor", call, async_op)
+        return complete(backend.reduce_scatter_tensor(output, input, op), g, "reduce_scatter_tensor", call, async_op, timeout=timeout)
     staged_in = Contiguous(input)
     staged_out = Contiguous(output, copy_in=False)
     work = backend.reduce_scatter_tensor(staged_out.tensor, staged_in.tensor, native)
     steps = [average(staged_out.tensor, g.size)] if native is not op else []
     steps += staging_steps(staged_out, staged_in, write_back=(staged_out,))
-    return complete(work, g, "reduce_scatter_tensor", call, async_op, sequence(*steps))
+    return complete(work, g, "reduce_scatter_tensor", call, async_op, sequence(*steps), timeout=timeout)
 
 
 def reduce_scatter(
@@ -108,6 +111,8 @@ def reduce_scatter(
     op: ReduceOp = ReduceOp.SUM,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Timeout = None,
 ) -> Work | None:
     """List form: rank r's ``output`` gets the reduction of every rank's ``input_list[r]``."""
     g = resolve_group(group)
@@ -117,7 +122,7 @@ def reduce_scatter(
     packed = flat[: output.numel() * g.size]
     for block, item in zip(packed.chunk(g.size) if packed.numel() else [], input_list):
         block.view(item.shape).copy_(item)
-    work = reduce_scatter_tensor(output, packed, op, group=g, async_op=True)
+    work = reduce_scatter_tensor(output, packed, op, group=g, async_op=True, timeout=timeout)
     assert work is not None
     return _finish_list(work.then(lambda: pool.release(flat)), async_op)
 
@@ -129,16 +134,18 @@ def broadcast(
     group: ProcessGroup | None = None,
     async_op: bool = False,
     group_src: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work | None:
     """Copy ``src``'s ``tensor`` into every rank's ``tensor``."""
-    g, backend = route(group, tensor, "tensor", "broadcast")
+    g, backend = route(group, tensor, "tensor", "broadcast", timeout=timeout)
     root = resolve_root(g, src, group_src, "src", "broadcast")
     call = begin(g, "broadcast", (tensor,), None, root)
     if tensor.is_contiguous():
-        return complete(backend.broadcast(tensor, root), g, "broadcast", call, async_op)
+        return complete(backend.broadcast(tensor, root), g, "broadcast", call, async_op, timeout=timeout)
     staged = Contiguous(tensor, copy_in=g.rank == root)
     work = backend.broadcast(staged.tensor, root)
-    return complete(work, g, "broadcast", call, async_op, sequence(*staging_steps(staged, write_back=(staged,))))
+    return complete(work, g, "broadcast", call, async_op, sequence(*staging_steps(staged, write_back=(staged,))), timeout=timeout)
 
 
 def all_gather_into_tensor(
@@ -146,9 +153,11 @@ def all_gather_into_tensor(
     input_tensor: torch.Tensor,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Timeout = None,
 ) -> Work | None:
     """Gather every rank's ``input_tensor`` into ``output_tensor`` (rank r's in block r)."""
-    g, backend = route(group, input_tensor, "input_tensor", "all_gather_into_tensor")
+    g, backend = route(group, input_tensor, "input_tensor", "all_gather_into_tensor", timeout=timeout)
     check_output(output_tensor, input_tensor, "output_tensor", "all_gather_into_tensor")
     if output_tensor.numel() != input_tensor.numel() * g.size:
         raise ValueError(
@@ -158,12 +167,12 @@ def all_gather_into_tensor(
         )
     call = begin(g, "all_gather_into_tensor", (input_tensor, output_tensor), None, None)
     if input_tensor.is_contiguous() and output_tensor.is_contiguous():
-        return complete(backend.all_gather_into_tensor(output_tensor, input_tensor), g, "all_gather_into_tensor", call, async_op)
+        return complete(backend.all_gather_into_tensor(output_tensor, input_tensor), g, "all_gather_into_tensor", call, async_op, timeout=timeout)
     staged_in = Contiguous(input_tensor)
     staged_out = Contiguous(output_tensor, copy_in=False)
     work = backend.all_gather_into_tensor(staged_out.tensor, staged_in.tensor)
     after = sequence(*staging_steps(staged_out, staged_in, write_back=(staged_out,)))
-    return complete(work, g, "all_gather_into_tensor", call, async_op, after)
+    return complete(work, g, "all_gather_into_tensor", call, async_op, after, timeout=timeout)
 
 
 def _finish_list(work: Work, async_op: bool) -> Work | None:
@@ -178,6 +187,8 @@ def all_gather(
     tensor: torch.Tensor,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Timeout = None,
 ) -> Work | None:
     """List form: ``tensor_list[r]`` receives rank r's ``tensor``."""
     g = resolve_group(group)
@@ -185,7 +196,7 @@ def all_gather(
     check_list(tensor_list, g, tensor, "tensor_list", "all_gather")
     flat = pool.acquire(tensor.numel() * g.size, tensor.dtype, tensor.device)
     packed = flat[: tensor.numel() * g.size]
-    work = all_gather_into_tensor(packed, tensor, group=g, async_op=True)
+    work = all_gather_into_tensor(packed, tensor, group=g, async_op=True, timeout=timeout)
     assert work is not None
 
     def unpack() -> None:
@@ -219,9 +230,11 @@ def all_to_all_single(
     input_split_sizes: Sequence[int] | None = None,
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Timeout = None,
 ) -> Work | None:
     """Rows of ``input`` go to each rank by ``input_split_sizes``; ``output`` collects by ``output_split_sizes``."""
-    g, backend = route(group, input, "input", "all_to_all_single")
+    g, backend = route(group, input, "input", "all_to_all_single", timeout=timeout)
     check_output(output, input, "output", "all_to_all_single")
     in_rows = input.shape[0] if input.dim() else input.numel()
     out_rows = output.shape[0] if output.dim() else output.numel()
@@ -234,12 +247,12 @@ def all_to_all_single(
         )
     call = begin(g, "all_to_all_single", (input, output), None, None)
     if input.is_contiguous() and output.is_contiguous():
-        return complete(backend.all_to_all_single(output, input, out_sizes, in_sizes), g, "all_to_all_single", call, async_op)
+        return complete(backend.all_to_all_single(output, input, out_sizes, in_sizes), g, "all_to_all_single", call, async_op, timeout=timeout)
     staged_in = Contiguous(input)
     staged_out = Contiguous(output, copy_in=False)
     work = backend.all_to_all_single(staged_out.tensor, staged_in.tensor, out_sizes, in_sizes)
     after = sequence(*staging_steps(staged_out, staged_in, write_back=(staged_out,)))
-    return complete(work, g, "all_to_all_single", call, async_op, after)
+    return complete(work, g, "all_to_all_single", call, async_op, after, timeout=timeout)
 
 
 def all_to_all(
@@ -247,6 +260,8 @@ def all_to_all(
     input_tensor_list: list[torch.Tensor],
     group: ProcessGroup | None = None,
     async_op: bool = False,
+    *,
+    timeout: Timeout = None,
 ) -> Work | None:
     """List form: ``input_tensor_list[i]`` goes to rank i; ``output_tensor_list[j]`` comes from rank j.
 
@@ -267,7 +282,7 @@ def all_to_all(
     packed_in = torch.cat([t.reshape(-1) for t in input_tensor_list]) if input_tensor_list else torch.empty(0)
     flat_out = pool.acquire(sum(out_sizes), dtype, input_tensor_list[0].device if input_tensor_list else "cpu")
     packed_out = flat_out[: sum(out_sizes)]
-    work = all_to_all_single(packed_out, packed_in, out_sizes, in_sizes, group=g, async_op=True)
+    work = all_to_all_single(packed_out, packed_in, out_sizes, in_sizes, group=g, async_op=True, timeout=timeout)
     assert work is not None
 
     def unpack() -> None:
@@ -285,6 +300,8 @@ def gather(
     group: ProcessGroup | None = None,
     async_op: bool = False,
     group_dst: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work | None:
     """``gather_list[r]`` on ``dst`` receives rank r's ``tensor``; other ranks pass no list."""
     g = resolve_group(group)
@@ -292,7 +309,7 @@ def gather(
     root = resolve_root(g, 0 if dst is None and group_dst is None else dst, group_dst, "dst", "gather")
     is_root = g.rank == root
     check_root_list(g, root, gather_list, tensor, "gather_list", "gather", "destination")
-    backend = g.backend_for(tensor)
+    backend = g.backend_for(tensor, "gather", timeout)
     call = begin(g, "gather", (tensor,), None, root)
     staged = Contiguous(tensor)
     flat = pool.acquire(tensor.numel() * g.size, tensor.dtype, tensor.device) if is_root else None
@@ -306,7 +323,7 @@ def gather(
             pool.release(flat)
         staged.release()
 
-    return complete(work, g, "gather", call, async_op, unpack)
+    return complete(work, g, "gather", call, async_op, unpack, timeout=timeout)
 
 
 def scatter(
@@ -316,6 +333,8 @@ def scatter(
     group: ProcessGroup | None = None,
     async_op: bool = False,
     group_src: int | None = None,
+    *,
+    timeout: Timeout = None,
 ) -> Work | None:
     """Rank r's ``tensor`` receives ``scatter_list[r]`` of ``src``; other ranks pass no list."""
     g = resolve_group(group)
@@ -324,25 +343,25 @@ def scatter(
     is_root = g.rank == root
     check_root_list(g, root, scatter_list, tensor, "scatter_list", "scatter", "source")
     packed = torch.cat([t.reshape(-1) for t in scatter_list]) if is_root and scatter_list is not None else None
-    backend = g.backend_for(tensor)
+    backend = g.backend_for(tensor, "scatter", timeout)
     call = begin(g, "scatter", (tensor,), None, root)
     staged = Contiguous(tensor, copy_in=False)
     work = backend.scatter(staged.tensor, packed, root)
-    return complete(work, g, "scatter", call, async_op, sequence(*staging_steps(staged, write_back=(staged,))))
+    return complete(work, g, "scatter", call, async_op, sequence(*staging_steps(staged, write_back=(staged,))), timeout=timeout)
 
 
 def barrier(
     group: ProcessGroup | None = None,
     async_op: bool = False,
     device_ids: object = None,
-    timeout: timedelta | float | None = None,
+    timeout: Timeout = None,
 ) -> Work | None:
     """Return once every rank of ``group`` has called barrier; raise after ``timeout`` (the group's by default)."""
     g = resolve_group(group)
     device = "cpu" if g.backend_map is None or "cpu" in g.backend_map else next(iter(g.backend_map))
-    backend = g.backend(device)
+    backend = g.backend(device, "barrier", timeout)
     call = begin(g, "barrier", (), None, None)
-    return complete(backend.barrier(), g, "barrier", call, async_op, timeout=seconds(timeout))
+    return complete(backend.barrier(), g, "barrier", call, async_op, timeout=timeout)
 
 
 #: torch 2.13's names for the tensor forms (it deprecates all_gather_into_tensor and reduce_scatter_tensor).

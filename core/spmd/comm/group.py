@@ -12,6 +12,7 @@ import torch.distributed as tdist
 
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.registry import backends
+from spmd.comm.work import Timeout, seconds
 from spmd.errors import BackendUnavailableError, CollectiveTimeoutError
 
 
@@ -87,28 +88,66 @@ class ProcessGroup:
             )
         return name
 
-    def backend(self, device_type: str) -> Backend:
-        """The backend for ``device_type``, created on first use."""
+    def backend(self, device_type: str, op: str | None = None, timeout: Timeout = None) -> Backend:
+        """The backend for ``device_type``, created on first use.
+
+        ``op`` is the collective that needs it (every member calls it): then the
+        creation first waits, under the op's ``timeout`` (else the group's), for
+        every member to arrive, and a member that never does is named in a
+        CollectiveTimeoutError with the op, instead of surfacing as whatever the
+        backend's own rendezvous says. Without ``op`` (point-to-point, eager
+        creation) the backend's own rendezvous is all there is.
+        """
         backend = self._backends.get(device_type)
         if backend is not None:
             return backend
         with self._lock:
             backend = self._backends.get(device_type)
             if backend is None:
-                backend = self._create_backend(device_type)
+                backend = self._create_backend(device_type, op, timeout)
                 self._backends[device_type] = backend
         return backend
 
-    def backend_for(self, tensor: torch.Tensor) -> Backend:
-        """The backend for ``tensor``'s device (created on first use)."""
+    def backend_for(self, tensor: torch.Tensor, op: str | None = None, timeout: Timeout = None) -> Backend:
+        """The backend for ``tensor``'s device (created on first use; ``op``, ``timeout``: see ``backend``)."""
         device = tensor.device
         backend = self.backends_by_device.get(device)
         if backend is None:
-            backend = self.backend(device.type)
+            backend = self.backend(device.type, op, timeout)
             self.backends_by_device[device] = backend
         return backend
 
-    def _create_backend(self, device_type: str) -> Backend:
+    @staticmethod
+    def _arrival_key(device_type: str, group_rank: int) -> str:
+        return f"arrived/{device_type}/{group_rank}"
+
+    def _await_members(self, device_type: str, backend_name: str, op: str, timeout: Timeout) -> None:
+        """Wait until every member reached its first collective on this device, or name who did not.
+
+        Each member sets one store key and waits for the others' (a store
+        round trip, once per group and device), so the backend's own rendezvous
+        only starts once everyone is there and cannot time out half-made (which,
+        in Gloo's case, also printed C++ stack dumps from the peers' sockets).
+        """
+        limit = self.timeout_s if timeout is None else seconds(timeout)
+        keys = [self._arrival_key(device_type, r) for r in range(self.size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=limit if limit is not None else self.timeout_s))
+            return
+        except Exception:  # noqa: BLE001 - the store says "wait timeout ... keys: ..."; we say who
+            missing = [self.ranks[r] for r, key in enumerate(keys) if not self.store.check([key])]
+        if not missing:
+            return  # they arrived just as the wait gave up
+        raise CollectiveTimeoutError(
+            f"{self.describe(op, self.seq)} did not complete within {limit:.1f} s: ranks {missing} never "
+            f"reached their first collective on group {self.name!r} (rank {self.ranks[self.rank]} waited "
+            f"for them to create the group's {device_type!r} backend {backend_name!r}). A rank may have "
+            "died, be stuck elsewhere (data loading is the usual place) or call a different op; check "
+            "that every rank of the group makes the same calls in the same order, or raise the timeout "
+            "(timeout= on the op, new_group(timeout=...), spmd.init(timeout=...))"
+        )
+
+    def _create_backend(self, device_type: str, op: str | None = None, timeout: Timeout = None) -> Backend:
         entry = backends().get(self.backend_name(device_type))
         spec = entry.spec
         if device_type not in spec.devices:
@@ -131,6 +170,14 @@ class ProcessGroup:
             device_type=device_type,
             global_ranks=self.ranks,
         )
+        problem = spec.precheck(ctx) if spec.precheck is not None else None
+        if problem is not None:
+            raise BackendUnavailableError(f"backend {spec.name!r} (plugin {entry.plugin!r}) cannot serve group {self.name!r}: {problem}")
+        # Every creation announces this rank (a first point-to-point op too: a peer whose first
+        # op is a collective waits for it); only a collective waits for every member.
+        self.store.set(self._arrival_key(device_type, self.rank), op or "point-to-point")
+        if op is not None:
+            self._await_members(device_type, spec.name, op, timeout)
         backend = None
         same_backend = self.parent is not None and self.parent.backend_name(device_type) == spec.name
         if self.parent is not None and device_type in self.parent._backends and same_backend:

@@ -13,7 +13,7 @@ import torch
 
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.work import Work
+from spmd.comm.work import NativeWork, NativeWorkAdapter, Timeout, Work, seconds
 from spmd.debug import desync
 from spmd.debug.recorder import Entry, recorder
 
@@ -44,22 +44,28 @@ def begin(
 
 
 def complete(
-    work: Work,
+    work: Work | NativeWork,
     group: ProcessGroup,
     op: str,
     call: Call,
     async_op: bool,
     after: Callable[[], None] | None = None,
-    timeout: float | None = None,
+    timeout: Timeout = None,
 ) -> Work | None:
     """Record the submitted op, attach its timeout (the group's unless ``timeout``), group and entry to ``work``; wait unless ``async_op``.
 
     The hot path of every op: a few attribute stores, no closures. The
     description and the diagnosis of a failure are derived from the group and
     the entry only when an error needs them (``Work.description``, ``Work._explain``).
+    An async Work is handed to the watchdog with its deadline (now + the
+    timeout): if nobody waits on it and it outlives that, the watchdog fails it
+    (see ``spmd.comm.work`` for the order in which timeouts nest).
     """
+    if not isinstance(work, Work):  # the backend returned its own handle (the NativeWork protocol)
+        work = NativeWorkAdapter(work)  # (Work.from_native also checks the methods: not on the hot path)
     entry = call if isinstance(call, Entry) else recorder.start(group.name, group.next_seq(), *call)
-    work.default_timeout = group.timeout_s if timeout is None else timeout
+    limit = group.timeout_s if timeout is None else seconds(timeout)
+    work.default_timeout = limit
     work._entry = entry
     work._group = group
     if work._is_done:  # finished before it had an entry to finish (Work.completed(), a fast worker thread)
@@ -70,9 +76,11 @@ def complete(
         if after is not None:
             work = work.then(after)
             work._entry, work._group = entry, group
-        recorder.watch(entry, work)
+        if not work._is_done:  # (a finished Work has nothing left to age)
+            recorder.watch(entry, work, limit)
         return work
-    work.wait()  # the synchronous path waits natively, with no callback hop
+    if not work._is_done or work._error is not None:
+        work.wait()  # the synchronous path waits natively, with no callback hop
     if after is not None:
         after()
     return None

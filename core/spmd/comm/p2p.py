@@ -15,7 +15,7 @@ from spmd.comm.group import ProcessGroup
 from spmd.comm.lifecycle import complete
 from spmd.comm.staging import Contiguous, sequence, staging_steps
 from spmd.comm.state import resolve_group
-from spmd.comm.work import Work, WorkList
+from spmd.comm.work import Timeout, Work, WorkList
 from spmd.debug.recorder import recorder
 
 #: What the current point-to-point ops are for ("RECV_F of stage 2, microbatch 3"), set by ``p2p_context``.
@@ -58,7 +58,7 @@ def _peer(g: ProcessGroup, rank: int | None, group_rank: int | None, what: str, 
     return peer
 
 
-def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None) -> Work:
+def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None, *, timeout: Timeout = None) -> Work:
     """Start sending ``tensor`` to ``dst``; keep the tensor unchanged until the Work completes."""
     g = resolve_group(group)
     check_tensor(tensor, "tensor", "isend")
@@ -68,12 +68,12 @@ def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | No
     entry = recorder.start(g.name, -1, "send", (tensor,), None, g.ranks[peer])
     entry.context = _context.get()
     work = g.backend_for(tensor).isend(staged.tensor, peer, tag)
-    result = complete(work, g, _describe(g, "isend to", peer, tag), entry, True, sequence(*staging_steps(staged)))
+    result = complete(work, g, _describe(g, "isend to", peer, tag), entry, True, sequence(*staging_steps(staged)), timeout=timeout)
     assert result is not None
     return result
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None) -> Work:
+def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None, *, timeout: Timeout = None) -> Work:
     """Start receiving into ``tensor`` from ``src``; read it only after the Work completes."""
     g = resolve_group(group)
     check_tensor(tensor, "tensor", "irecv")
@@ -86,20 +86,20 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | No
     entry.context = _context.get()
     work = g.backend_for(tensor).irecv(staged.tensor, peer, tag)
     after = sequence(*staging_steps(staged, write_back=(staged,)))
-    result = complete(work, g, _describe(g, "irecv from", peer, tag), entry, True, after)
+    result = complete(work, g, _describe(g, "irecv from", peer, tag), entry, True, after, timeout=timeout)
     assert result is not None
     return result
 
 
-def send(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None) -> None:
+def send(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None, *, timeout: Timeout = None) -> None:
     """Send ``tensor`` to ``dst`` and wait until it is sent."""
-    isend(tensor, dst, group, tag, group_dst).wait()
+    isend(tensor, dst, group, tag, group_dst, timeout=timeout).wait()
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None) -> int:
+def recv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None, *, timeout: Timeout = None) -> int:
     """Receive into ``tensor`` from ``src``; returns the sender's global rank."""
     g = resolve_group(group)
-    irecv(tensor, src, g, tag, group_src).wait()
+    irecv(tensor, src, g, tag, group_src, timeout=timeout).wait()
     return src if src is not None else g.ranks[group_src or 0]
 
 

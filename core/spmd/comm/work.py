@@ -1,4 +1,24 @@
-"""Work: the handle of an operation that may still be running."""
+"""Work: the handle of an operation that may still be running.
+
+Timeouts nest in one order; the first one given wins:
+
+1. ``work.wait(timeout=...)`` bounds that one wait: it raises
+   CollectiveTimeoutError when it runs out, and the op keeps its own deadline.
+2. The op's ``timeout=`` (every collective, ``isend``/``irecv``/``send``/``recv``,
+   ``barrier``): the op's deadline. A synchronous call raises at it; an async
+   Work is failed at it by the watchdog (``spmd.debug.watchdog.expire_overdue``)
+   whether or not anyone waits, and its waiters, callbacks and futures all get
+   the error naming the op, the group, the sequence number and the ranks that
+   never arrived.
+3. The group's timeout (``new_group(timeout=)``, ``split_group(timeout=)``).
+4. The default: ``spmd.init(timeout=)``, else ``SPMD_TIMEOUT`` seconds, else 10 minutes;
+   groups made without a timeout inherit their parent's.
+
+The kernel attaches the op's deadline to every Work in ``lifecycle.complete``
+(``Work.default_timeout``), so nothing that goes through the kernel waits
+forever. A backend may also enforce the group timeout natively (Gloo does);
+an op timeout longer than the group's is then cut short by the backend.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +26,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -88,7 +108,12 @@ class Work:
     def completed(cls, value: Any = None) -> Work:
         """A Work that has already finished with ``value``."""
         work = cls()
-        work._finish(value, None)
+        if cls is Work:  # nobody else can see it yet: no lock, no event, no callbacks to run
+            work._is_done = True
+            if value is not None:
+                work._value = value
+        else:
+            work._finish(value, None)
         return work
 
     @classmethod
@@ -123,6 +148,18 @@ class Work:
             future.add_done_callback(on_torch_done)
         return work
 
+    @classmethod
+    def from_native(cls, native: NativeWork) -> Work:
+        """A Work over a backend's own handle that implements the ``NativeWork`` protocol."""
+        for name in ("poll", "wait", "abort", "error"):
+            if not callable(getattr(native, name, None)):
+                raise TypeError(
+                    f"{type(native).__name__} is not a spmd NativeWork: it has no {name}(); a backend "
+                    "returns a Work (Work.completed(), Work.from_future()) or an object with poll(), "
+                    "wait(timeout), abort() and error() (see spmd.comm.work.NativeWork)"
+                )
+        return NativeWorkAdapter(native)
+
     # -- completion (for subclasses and the kernel) ------------------------------
     def _finish(self, value: Any, error: BaseException | None) -> None:
         with _STATE_LOCK:
@@ -144,6 +181,21 @@ class Work:
         if callbacks is not None:
             for callback in callbacks:
                 callback(self)
+
+    def _expire(self, error: BaseException) -> None:
+        """The kernel's deadline passed with this Work still running: fail it with ``error`` explained.
+
+        Called by the watchdog (``spmd.debug.watchdog.expire_overdue``) for an
+        async Work nobody waited out in time; every waiter, callback and future
+        then sees the explained error (op, group, sequence number, the ranks
+        that never arrived). A result the backend delivers later is ignored.
+        """
+        if self._is_done:
+            return
+        explained = self._explain(error)
+        if self._entry is not None:
+            self._entry.finish(error)
+        self._finish(None, explained)
 
     def _wait_native(self, timeout: float | None) -> bool:
         """Block until done or ``timeout`` seconds pass; return whether it finished."""
@@ -229,7 +281,7 @@ class Work:
 
         def forward(work: Work) -> None:
             if work._error is not None:
-                future.set_exception(work._error)
+                future.set_exception(work._explain(work._error))  # the error path only
             else:
                 future.set_result(work._value)
 
@@ -241,6 +293,99 @@ class Work:
         if self.is_completed():
             state = "failed" if self._error else "completed"
         return f"<Work {self.description} {state}>"
+
+
+@runtime_checkable
+class NativeWork(Protocol):
+    """The public completion protocol a backend may return instead of a ``Work``; the kernel wraps it.
+
+    Implemented by the backend (spmd-gloo's c10d handle, an MPI request, a
+    CUDA event...); called only by the kernel, which owns everything else: the
+    deadline, the flight-recorder entry, callbacks, futures and the error the
+    user sees (``Work.from_native`` is the wrapper). So a backend never touches
+    a Work's private state.
+
+    ``poll() -> bool``
+        True once the op finished, successfully or not. Never blocks; the
+        watchdog calls it from its own thread to age outstanding Works.
+    ``wait(timeout: float | None) -> bool``
+        Block until the op finished (True) or ``timeout`` seconds passed
+        (False: the op keeps running). None means no limit of the kernel's;
+        the backend may still bound it with its own group timeout.
+    ``abort() -> None``
+        The kernel gave up on the op (its deadline passed): release what can be
+        released. The op may stay unfinished; it is never waited on again.
+    ``error() -> BaseException | None``
+        After the op finished: why it failed, or None. A timeout the backend
+        detected itself should be a ``TimeoutError`` (the kernel words it as a
+        CollectiveTimeoutError naming op, group and sequence number); anything
+        else becomes a CollectiveError naming the op.
+
+    Optional: ``add_done_callback(fn)``, calling ``fn()`` once from any thread
+    when the op finished. Without it, the kernel runs one helper thread per
+    Work that has callbacks or a future, blocked in ``wait(None)``.
+    """
+
+    def poll(self) -> bool: ...
+
+    def wait(self, timeout: float | None) -> bool: ...
+
+    def abort(self) -> None: ...
+
+    def error(self) -> BaseException | None: ...
+
+
+class NativeWorkAdapter(Work):
+    """The kernel's Work around a backend's ``NativeWork`` (made by ``Work.from_native``)."""
+
+    _hooked = False
+
+    def __init__(self, native: NativeWork) -> None:
+        self.native = native
+
+    def _settle(self) -> None:
+        error = self.native.error()
+        if error is not None and isinstance(error, TimeoutError) and not isinstance(error, CollectiveTimeoutError):
+            error = timeout_error(self.description, self.default_timeout, str(error).split("\n", 1)[0])
+        self._finish(None, error)
+
+    def _wait_native(self, timeout: float | None) -> bool:
+        if self._is_done:
+            return True
+        if not self.native.wait(timeout):
+            return False
+        self._settle()
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._is_done and self.native.poll():
+            self._settle()
+        return self._is_done
+
+    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+        if not self._hooked and not self._is_done:
+            self._hooked = True
+            hook = getattr(self.native, "add_done_callback", None)
+            if hook is not None:
+                hook(self._settle)
+            else:
+                threading.Thread(target=self._wait_native, args=(None,), name="spmd-native-wait", daemon=True).start()
+        super().add_done_callback(callback)
+
+    def _expire(self, error: BaseException) -> None:
+        if not self._is_done:
+            try:
+                self.native.abort()
+            except Exception:  # noqa: BLE001 - the timeout is the error to report, not the abort's
+                pass
+        super()._expire(error)
+
+
+def as_work(result: Work | NativeWork) -> Work:
+    """What a backend method returned, as a Work: a Work as is, a NativeWork wrapped."""
+    if isinstance(result, Work):
+        return result
+    return Work.from_native(result)
 
 
 class WorkList(Work):

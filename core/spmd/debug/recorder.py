@@ -86,7 +86,8 @@ class FlightRecorder:
         self.enabled = capacity > 0
         # group -> [last started seq, its op, last completed seq, its op]
         self.progress: dict[str, list[Any]] = {}
-        self.outstanding: list[tuple[Entry, Any]] = []  # async (entry, work) for the watchdog to poll
+        # async (entry, work, monotonic deadline, timeout) for the watchdog to poll and age
+        self.outstanding: list[tuple[Entry, Any, float | None, float | None]] = []
         self.lock = threading.Lock()
 
     def start(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any = None, peer: int | None = None) -> Entry:
@@ -102,18 +103,30 @@ class FlightRecorder:
             entry._progress = progress
         return entry
 
-    def watch(self, entry: Entry, work: Any) -> None:
-        """Remember an async op so the watchdog can notice its completion."""
+    def watch(self, entry: Entry, work: Any, limit: float | None = None) -> None:
+        """Remember an async op and its deadline (``limit`` seconds from now; None: none) for the watchdog."""
+        deadline = None if limit is None else time.monotonic() + limit
         with self.lock:
-            self.outstanding.append((entry, work))
+            self.outstanding.append((entry, work, deadline, limit))
 
-    def poll_outstanding(self) -> None:
+    def poll_outstanding(self, now: float | None = None) -> list[tuple[Entry, Any, float | None]]:
+        """Forget the async ops that finished; with ``now`` (monotonic), also take out and return
+        those past their deadline, as (entry, work, timeout in seconds), for the watchdog to fail."""
         with self.lock:
             pending = self.outstanding
             self.outstanding = []
-        still = [(e, w) for e, w in pending if not w.is_completed()]
+        still, overdue = [], []
+        for item in pending:
+            entry, work, deadline, limit = item
+            if work.is_completed():
+                continue
+            if now is not None and deadline is not None and now >= deadline:
+                overdue.append((entry, work, limit))
+            else:
+                still.append(item)
         with self.lock:
             self.outstanding.extend(still)
+        return overdue
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [e.to_dict() for e in list(self.entries)]

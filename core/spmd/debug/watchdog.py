@@ -1,7 +1,8 @@
 """The watchdog: publishes this rank's progress, serves dump requests, and explains stuck ops.
 
-One daemon thread per process, started by ``spmd.init``. Every interval it
-polls outstanding async Works (so the recorder sees them complete), writes
+One daemon thread per process, started by ``spmd.init``. Every 0.2 s it
+ages the outstanding async Works and fails those past their deadline
+(``expire_overdue``), waited on or not; every interval it writes
 this rank's per-group progress and a heartbeat to the store, and dumps the
 flight recorder when any rank asked for dumps. It uses its own store client,
 so a main thread blocked in the store never stalls it. ``diagnose`` runs in
@@ -27,6 +28,8 @@ PROGRESS_KEY = "spmd/debug/progress/{rank}"
 DUMP_COUNTER = "spmd/debug/dump_requests"
 DUMP_REASON = "spmd/debug/dump_reason"
 DUMPED_KEY = "spmd/debug/dumped/{rank}"  # the last request number this rank served
+#: How often (seconds, at most) the watchdog looks for async Works past their deadline.
+DEADLINE_STEP = 0.2
 
 
 def _interval() -> float:
@@ -71,14 +74,20 @@ class Watchdog:
         self.stopped.set()
 
     def _loop(self) -> None:
-        while not self.stopped.wait(self.interval):
+        step = min(self.interval, DEADLINE_STEP)
+        next_publish = time.monotonic() + self.interval
+        while not self.stopped.wait(step):
             try:
-                self.tick()
+                expire_overdue()
+                if time.monotonic() >= next_publish:
+                    self.tick()
+                    next_publish = time.monotonic() + self.interval
             except Exception:  # noqa: BLE001 - the store may be gone at shutdown; never kill the job
                 if self.stopped.is_set():
                     return
 
     def tick(self) -> None:
+        """Publish this rank's progress and serve dump requests (forgetting finished async ops first)."""
         recorder.poll_outstanding()
         payload = json.dumps({"t": time.time(), "progress": recorder.progress})
         with self.lock:
@@ -146,6 +155,22 @@ def stop() -> None:
 
 def current() -> Watchdog | None:
     return _watchdog
+
+
+def expire_overdue(now: float | None = None) -> int:
+    """Fail every outstanding async Work past its deadline; returns how many.
+
+    Each fails with a CollectiveTimeoutError that names the op, the group,
+    the sequence number and (from the diagnosis) the ranks that never arrived;
+    its waiters, callbacks and futures all see that error. Runs in the
+    watchdog thread every ``DEADLINE_STEP`` seconds.
+    """
+    from spmd.comm.work import timeout_error  # the debug package sits below comm
+
+    overdue = recorder.poll_outstanding(time.monotonic() if now is None else now)
+    for _entry, work, limit in overdue:
+        work._expire(timeout_error(work.description, limit))
+    return len(overdue)
 
 
 def diagnose(group: Any, entry: Entry, what: str) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -21,7 +21,7 @@ import torch.distributed as tdist
 
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.work import Timeout, Work, timeout_error
+from spmd.comm.work import NativeWork, Work
 from spmd.errors import CollectiveError
 
 _GLOO_REDUCE_DTYPES = frozenset(
@@ -52,77 +52,80 @@ _REDUCE_SCATTER_OPTIONS = {op: _built(tdist.ReduceScatterOptions, reduceOp=nativ
 _ALLTOALL_OPTIONS = tdist.AllToAllOptions()
 
 
-class GlooWork(Work):
-    """A Work over a c10d Work: waits natively (with Gloo's timed wait), completes lazily."""
+class GlooWork:
+    """A c10d Gloo Work seen through spmd's public ``NativeWork`` protocol (the kernel wraps it).
 
-    _hooked = False
+    Waits natively, with Gloo's timed wait; Gloo itself bounds the untimed wait
+    with the group timeout, so the common synchronous path makes no timed call.
+    """
+
+    _error: BaseException | None = None
+    _done = False
 
     def __init__(self, native: tdist.Work, group_timeout: float, keep_alive: object = None) -> None:
         self._native = native
         self._group_timeout = group_timeout
         self._keep_alive = keep_alive  # views whose storage Gloo reads or writes
 
-    def _settle(self, future: torch.futures.Future | None = None) -> None:
-        try:
-            if future is not None:
-                future.value()  # raises the op's error; never blocks inside the callback
+    def _settled(self, error: RuntimeError | None) -> bool:
+        if error is not None:
+            text = str(error)
+            first = text.splitlines()[0] if text else type(error).__name__
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                self._error = TimeoutError(f"Gloo: {first}")  # the kernel names op, group and seq
             else:
-                self._native.wait()
-        except RuntimeError as error:
-            self._finish(None, self._error_from(error))
-        else:
-            self._finish(None, None)
+                self._error = CollectiveError(f"Gloo: {text}")
+        self._done = True
+        self._keep_alive = None
+        return True
 
-    def _error_from(self, error: RuntimeError) -> Exception:
-        text = str(error)
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            return timeout_error(self.description, self._group_timeout, f"Gloo: {text.splitlines()[0]}")
-        return CollectiveError(f"{self.description} failed in Gloo: {text}")
+    # -- spmd.comm.work.NativeWork -----------------------------------------------------
+    def poll(self) -> bool:
+        if not self._done and self._native.is_completed():
+            try:
+                self._native.wait()  # finished: returns at once, or raises the op's error
+            except RuntimeError as error:
+                return self._settled(error)
+            return self._settled(None)
+        return self._done
 
-    def _wait_native(self, timeout: float | None) -> bool:
-        if self._is_done:
+    def wait(self, timeout: float | None) -> bool:
+        if self._done:
             return True
         try:
             if timeout is None or timeout >= self._group_timeout:
-                # Gloo enforces the group timeout itself, so the untimed wait is bounded too.
-                self._native.wait()
+                self._native.wait()  # Gloo enforces the group timeout itself: bounded too
             else:
                 self._native.wait(timedelta(seconds=timeout))
         except RuntimeError as error:
             if "operation timed out" in str(error).lower() and not self._native.is_completed():
                 return False  # our shorter timed wait expired; the op itself may still finish
-            self._finish(None, self._error_from(error))
-            return True
-        self._finish(None, None)
-        return True
+            return self._settled(error)
+        return self._settled(None)
 
-    def wait(self, timeout: Timeout = None) -> bool:
-        """Wait natively; the untimed wait (the synchronous collectives' path) settles in this frame."""
-        limit = self.default_timeout
-        if timeout is not None or self._is_done or (limit is not None and limit < self._group_timeout):
-            return super().wait(timeout)
+    def abort(self) -> None:
+        """Gloo cannot cancel one op; it ends at the group timeout (or when the group is closed)."""
+
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[], object]) -> None:
         try:
-            self._native.wait()  # Gloo bounds it with the group timeout
-        except RuntimeError:
-            return super().wait(timeout)  # the error path: the base class settles and explains it
-        self._finish(None, None)
-        return True
+            future = self._native.get_future()
+        except RuntimeError:  # Gloo's send/recv and reduce_scatter works have no future
+            threading.Thread(target=lambda: (self.wait(None), fn()), name="spmd-gloo-wait", daemon=True).start()
+        else:
 
-    def is_completed(self) -> bool:
-        if not self._is_done and self._native.is_completed():
-            self._settle()
-        return self._is_done
+            def on_done(f: torch.futures.Future) -> None:
+                try:
+                    f.value()  # raises the op's error; never blocks inside the callback
+                except RuntimeError as error:
+                    self._settled(error)
+                else:
+                    self._settled(None)
+                fn()
 
-    def add_done_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
-        if not self._hooked:
-            self._hooked = True
-            try:
-                future = self._native.get_future()
-            except RuntimeError:  # Gloo's send/recv and reduce_scatter works have no future
-                threading.Thread(target=self._settle, name="spmd-gloo-wait", daemon=True).start()
-            else:
-                future.add_done_callback(self._settle)
-        super().add_done_callback(callback)
+            future.add_done_callback(on_done)
 
 
 #: Dtypes Gloo moves natively; others travel as raw bytes. Native is preferred:
@@ -171,7 +174,7 @@ class GlooBackend(Backend):
         self._timeout_s = ctx.timeout.total_seconds()
         self._broadcast_options = [_built(tdist.BroadcastOptions, rootRank=root) for root in range(ctx.size)]
 
-    def _wrap(self, native: tdist.Work, keep_alive: object = None) -> Work:
+    def _wrap(self, native: tdist.Work, keep_alive: object = None) -> Work | NativeWork:
         return GlooWork(native, self._timeout_s, keep_alive)
 
     @staticmethod
@@ -184,16 +187,16 @@ class GlooBackend(Backend):
         return None
 
     # -- point-to-point ------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work | NativeWork:
         data = _bytes(tensor)
         return self._wrap(self.pg.send([data], dst, tag), data)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work | NativeWork:
         data = _bytes(tensor)
         return self._wrap(self.pg.recv([data], src, tag), data)
 
     # -- collectives ---------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work | NativeWork:
         options = _ALLREDUCE_OPTIONS.get(op) if tensor.dtype in _GLOO_REDUCE_DTYPES else None
         if options is not None and tensor.numel():  # the common case, with no further calls
             return GlooWork(self.pg.allreduce([tensor], options), self._timeout_s)
@@ -202,7 +205,7 @@ class GlooBackend(Backend):
             return super().all_reduce(tensor, op)
         return self._wrap(self.pg.allreduce([native], _ALLREDUCE_OPTIONS[op]), native)
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work | NativeWork:
         native = self._native_reduce(tensor, op)
         if native is None or tensor.numel() == 0:
             return super().reduce(tensor, dst, op)
@@ -211,7 +214,7 @@ class GlooBackend(Backend):
         opts.rootRank = dst
         return self._wrap(self.pg.reduce([native], opts), native)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work | NativeWork:
         if tensor.numel() == 0:
             return Work.completed()
         if tensor.dtype in _GLOO_DATA_DTYPES:  # Gloo moves it as it is: no view, nothing to keep alive
@@ -219,7 +222,7 @@ class GlooBackend(Backend):
         data = _bytes(tensor)
         return self._wrap(self.pg.broadcast([data], self._broadcast_options[src]), data)
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work | NativeWork:
         if input.numel() == 0:
             return Work.completed()
         if input.dim() == 1 and output.dim() == 1 and input.dtype in _GLOO_DATA_DTYPES:  # no views to make
@@ -227,7 +230,7 @@ class GlooBackend(Backend):
         out, inp = _bytes(output), _bytes(input)
         return self._wrap(self.pg._allgather_base(out, inp), (out, inp))
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work | NativeWork:
         options = _REDUCE_SCATTER_OPTIONS.get(op) if input.dtype in _GLOO_REDUCE_DTYPES else None
         if options is not None and input.dim() == 1 and output.dim() == 1 and output.numel():  # the common case
             return GlooWork(self.pg._reduce_scatter_base(output, input, options), self._timeout_s)
@@ -246,7 +249,7 @@ class GlooBackend(Backend):
         input: torch.Tensor,
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
-    ) -> Work:
+    ) -> Work | NativeWork:
         out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
         equal = min(out_splits) == max(out_splits) and min(in_splits) == max(in_splits)
         if equal and input.dtype in _GLOO_DATA_DTYPES:  # equal row splits are equal element splits: no views
@@ -259,7 +262,7 @@ class GlooBackend(Backend):
         native = self.pg.alltoall_base(out, inp, out_splits, in_splits, _ALLTOALL_OPTIONS)
         return self._wrap(native, (out, inp))
 
-    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> Work:
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> Work | NativeWork:
         if input.numel() == 0:
             return Work.completed()
         inp = _bytes(input)
@@ -268,7 +271,7 @@ class GlooBackend(Backend):
         opts.rootRank = dst
         return self._wrap(self.pg.gather(outputs, [inp], opts), (outputs, inp))
 
-    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int) -> Work:
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int) -> Work | NativeWork:
         if output.numel() == 0:
             return Work.completed()
         out = _bytes(output)
@@ -277,7 +280,7 @@ class GlooBackend(Backend):
         opts.rootRank = src
         return self._wrap(self.pg.scatter([out], inputs, opts), (out, inputs))
 
-    def barrier(self) -> Work:
+    def barrier(self) -> Work | NativeWork:
         return self._wrap(self.pg.barrier())
 
     def close(self) -> None:

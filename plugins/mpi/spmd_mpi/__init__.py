@@ -42,6 +42,25 @@ def _factory(ctx: spmd.BackendContext) -> spmd.Backend:
     return MpiBackend(ctx)
 
 
+def _precheck(ctx: spmd.BackendContext) -> str | None:
+    """Before the kernel waits for the group's members: can MPI's ranks be this group's at all?
+
+    Does not initialise MPI (MPI_Init may wait for every rank): a launcher of
+    the wrong family is judged from the environment, the full world check only
+    once MPI is loaded (the factory does it otherwise, after the members met).
+    """
+    mismatch = probe.mismatched_mpiexec()
+    if mismatch is not None:
+        return mismatch
+    from spmd_mpi import library
+
+    if library.MPI is None:
+        return None
+    from spmd_mpi.communicator import world_mismatch
+
+    return world_mismatch(library.MPI, ctx)
+
+
 def _capabilities() -> frozenset[str]:
     from spmd_mpi.backend import MpiBackend
 
@@ -68,6 +87,7 @@ def spmd_backends() -> Iterable[spmd.BackendSpec]:
             factory=_factory,
             priority=priority(),
             available=_available,
+            precheck=_precheck,
             capabilities=_capabilities(),
             description=probe.describe(),
             launch=probe.launch_prefix("{nproc}"),  # how tools such as `spmd bench` start MPI ranks

@@ -32,7 +32,7 @@ import torch
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.buffers import BufferPool
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.work import Work
+from spmd.comm.work import NativeWork, Work
 from spmd_mpi import library, mapping
 from spmd_mpi.communicator import create_communicator
 from spmd_mpi.library import library_version, load_mpi
@@ -95,16 +95,16 @@ class MpiBackend(Backend):
         return after
 
     # -- point-to-point ----------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work | NativeWork:
         nbytes = tensor.nbytes
         return MpiWork(self._isend(self._buffer(tensor.data_ptr(), nbytes), dst, tag), tensor, None, nbytes)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work | NativeWork:
         nbytes = tensor.nbytes
         return MpiWork(self._irecv(self._buffer(tensor.data_ptr(), nbytes), src, tag), tensor, None, nbytes)
 
     # -- reductions ----------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work | NativeWork:
         table = _REDUCE.get(op)
         entry = table.get(tensor.dtype) if table is not None else None
         if entry is not None:
@@ -122,7 +122,7 @@ class MpiBackend(Backend):
             return MpiWork(request, (tensor, pooled), self._staged_done(pooled, view, tensor), view.nbytes)
         return super().all_reduce(tensor, op)
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work | NativeWork:
         table = _REDUCE.get(op)
         if table is None or (tensor.dtype not in table and tensor.dtype not in _STAGED):
             return super().reduce(tensor, dst, op)
@@ -140,7 +140,7 @@ class MpiBackend(Backend):
         request = self._ireduce(self._in_place, data, mpi_op, dst) if root else self._ireduce(data, None, mpi_op, dst)
         return MpiWork(request, (tensor, pooled), self._staged_done(pooled, view, tensor if root else None), view.nbytes)
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work | NativeWork:
         table = _REDUCE.get(op)
         entry = table.get(input.dtype) if table is not None else None
         if entry is not None:
@@ -172,13 +172,13 @@ class MpiBackend(Backend):
         return super().reduce_scatter_tensor(output, input, op)
 
     # -- data movement -------------------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work | NativeWork:
         nbytes = tensor.nbytes
         if not nbytes:
             return Work.completed()
         return MpiWork(self._ibcast(self._buffer(tensor.data_ptr(), nbytes), src), tensor, None, nbytes)
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work | NativeWork:
         nbytes = input.nbytes
         if not nbytes:
             return Work.completed()
@@ -193,7 +193,7 @@ class MpiBackend(Backend):
         input: torch.Tensor,
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
-    ) -> Work:
+    ) -> Work | NativeWork:
         buffer = self._buffer
         out_data = buffer(output.data_ptr(), output.nbytes)
         in_data = buffer(input.data_ptr(), input.nbytes)
@@ -213,19 +213,19 @@ class MpiBackend(Backend):
         )
         return MpiWork(request, (output, input), None, max(input.nbytes, output.nbytes))
 
-    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> Work:
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> Work | NativeWork:
         if input.numel() == 0:
             return Work.completed()
         out_data = None if output is None else self._bytes(output)
         return MpiWork(self._igather(self._bytes(input), out_data, dst), (output, input), None, input.nbytes * self.size)
 
-    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int) -> Work:
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int) -> Work | NativeWork:
         if output.numel() == 0:
             return Work.completed()
         in_data = None if input is None else self._bytes(input)
         return MpiWork(self._iscatter(in_data, self._bytes(output), src), (output, input), None, output.nbytes * self.size)
 
-    def barrier(self) -> Work:
+    def barrier(self) -> Work | NativeWork:
         return MpiWork(self._ibarrier())
 
     # -- groups --------------------------------------------------------------------------

@@ -19,13 +19,24 @@ from spmd_mpi import probe
 from spmd_mpi.library import library_version
 
 
-def create_communicator(mpi: Any, ctx: BackendContext) -> Any:
-    """The MPI communicator of ``ctx``'s group, its ranks in the group's order (collective over the members)."""
+def world_mismatch(mpi: Any, ctx: BackendContext) -> str | None:
+    """Why ``ctx``'s group cannot be made of MPI_COMM_WORLD's ranks (a foreign launcher, a singleton), or None."""
     world = mpi.COMM_WORLD
     world_size, world_rank = world.Get_size(), world.Get_rank()
     ranks = tuple(ctx.global_ranks) or tuple(range(ctx.size))
     if (world_size == 1 and ctx.size > 1) or max(ranks) >= world_size or ranks[ctx.rank] != world_rank:
-        raise BackendUnavailableError(_world_error(ctx, world_size, world_rank, ranks))
+        return _world_error(ctx, world_size, world_rank, ranks)
+    return None
+
+
+def create_communicator(mpi: Any, ctx: BackendContext) -> Any:
+    """The MPI communicator of ``ctx``'s group, its ranks in the group's order (collective over the members)."""
+    mismatch = world_mismatch(mpi, ctx)
+    if mismatch is not None:
+        raise BackendUnavailableError(mismatch)
+    world = mpi.COMM_WORLD
+    world_size = world.Get_size()
+    ranks = tuple(ctx.global_ranks) or tuple(range(ctx.size))
     rendezvous(ctx)
     if ranks == tuple(range(world_size)):
         comm = world.Dup()

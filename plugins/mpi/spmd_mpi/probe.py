@@ -196,6 +196,31 @@ def launcher_family() -> str | None:
     return None
 
 
+def mismatched_mpiexec() -> str | None:
+    """Why this process's MPI launcher cannot start ranks of the installed MPI wheel, if it cannot.
+
+    Judged from environment variables and the wheel's name only (MPI_Init may
+    wait for every rank, so it must not run before they are known to be there):
+    Open MPI's mpiexec sets OMPI_*, Hydra/PMI launchers PMI_*; a launcher of the
+    other family starts every rank as a separate one-rank job.
+    """
+    wheel = wheel_mpi()
+    announced = launcher_world_size()
+    if wheel is None or not launched_by_mpi() or not announced or announced <= 1:
+        return None
+    library = _FAMILY.get(wheel[1])
+    launcher = "openmpi" if os.environ.get("OMPI_COMM_WORLD_RANK") else "mpich" if os.environ.get("PMI_RANK") else None
+    if library is None or launcher is None or launcher == library:
+        return None
+    right, why = find_mpiexec()
+    fix = f"launch with {right} -n {announced} ..." if right else why
+    return (
+        f"this process was started by {launcher_family()} as one of {announced} ranks, but the MPI "
+        f"library is the {wheel[0]} wheel ({wheel[1]} {wheel[2]}). The mpiexec does not belong to this "
+        f"MPI library, so every rank would be a separate one-rank job; {fix}"
+    )
+
+
 def foreign_launcher() -> str | None:
     """A non-MPI launcher that started this process with more than one rank, if any."""
     if launched_by_mpi():

@@ -455,10 +455,10 @@ def check_timeout_aborts() -> str:
 
 
 def check_kernel_staging() -> list[str]:
-    """The API paths that stage through the kernel's host buffer pool (list forms, non-contiguous, gather).
+    """The API paths that stage through the kernel's buffer pool (list forms, non-contiguous, gather).
 
-    They fail while spmd.comm.buffers.BufferPool allocates CPU buffers only: a
-    CUDA tensor is staged into host memory and NCCL (rightly) refuses it.
+    The pool allocates on the tensor's device; a staging buffer in host memory
+    would make NCCL (rightly) refuse it, and each such case is returned as a failure.
     """
     use_gpu()
     n = spmd.get_world_size()

@@ -108,6 +108,33 @@ def test_plugins_lists_nccl() -> None:
     assert "backends: nccl (cuda)" in out.stdout
 
 
-def test_capture_mode_switch_is_harmless_without_a_cuda_runtime() -> None:
-    allow_queries_during_other_threads_captures()
-    allow_queries_during_other_threads_captures()  # once per thread; never raises
+def test_capture_mode_switch_is_made_once_per_thread_and_thread_local(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each background thread asks the CUDA runtime for the thread-local capture mode exactly once."""
+    import ctypes
+    import threading
+
+    from spmd_nccl import cuda
+
+    modes: list[tuple[str, int]] = []
+
+    def exchange(mode: ctypes._Pointer) -> int:  # stands in for cudaThreadExchangeStreamCaptureMode
+        modes.append((threading.current_thread().name, mode._obj.value))
+        return 0
+
+    monkeypatch.setattr(cuda, "_capture_mode_exchange", lambda: exchange)
+
+    def twice() -> None:
+        allow_queries_during_other_threads_captures()
+        allow_queries_during_other_threads_captures()
+
+    for name in ("a", "b"):
+        thread = threading.Thread(target=twice, name=name)
+        thread.start()
+        thread.join()
+    assert modes == [("a", 1), ("b", 1)]  # 1 = cudaStreamCaptureModeThreadLocal, once per thread
+
+    monkeypatch.setattr(cuda, "_capture_mode_exchange", lambda: None)  # no CUDA runtime loaded
+    thread = threading.Thread(target=twice)
+    thread.start()
+    thread.join()
+    assert len(modes) == 2

@@ -66,10 +66,10 @@ def test_a_timeout_aborts_the_communicator(spmd_world) -> None:  # type: ignore[
     assert results[0] == "timed out and aborted"
 
 
-def test_paths_the_kernel_stages_on_the_host(spmd_world) -> None:  # type: ignore[no-untyped-def]
+def test_paths_the_kernel_stages_stay_on_the_device(spmd_world) -> None:  # type: ignore[no-untyped-def]
+    """List forms, spmd.gather and non-contiguous tensors stage through the kernel's pool on the tensor's device.
+
+    Fails (it used to xfail) if the pool hands NCCL host memory again.
+    """
     failures = _world(spmd_world, 1).run(gpu_checks.check_kernel_staging)[0]
-    if failures:
-        pytest.xfail(
-            "the kernel stages list forms, spmd.gather and non-contiguous tensors through its CPU-only "
-            "BufferPool, so NCCL is handed host memory: " + "; ".join(failures)
-        )
+    assert not failures, "; ".join(failures)

@@ -23,8 +23,9 @@ generic algorithms over isend/irecv.
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.buffers import BufferPool
 from spmd.comm.reduce_op import ReduceOp, finish_avg, reduce_into
-from spmd.comm.work import Work
+from spmd.comm.work import NativeWork, Work
 from spmd.errors import CollectiveError
 from spmd_ucc.engine import Engine, Peer, Pending, get_engine
 
@@ -56,33 +57,65 @@ SEGMENT_BYTES = int(os.environ.get("SPMD_UCC_SEGMENT_BYTES", str(4 << 20)))
 Requests = tuple[Any, ...]
 
 
-class EngineWork(Work, Pending):
-    """A Work the process's UCX engine drives: waiting, polling and callbacks go through it."""
+#: Guards each op's done flag against a concurrent add_done_callback (held for nanoseconds).
+_DONE_LOCK = threading.Lock()
+
+
+class EngineWork(Pending):
+    """An op the process's UCX engine drives, seen by the kernel through the public
+    ``spmd.comm.work.NativeWork`` protocol: ``poll``, ``wait``, ``abort``, ``error``,
+    ``add_done_callback`` (the kernel wraps it into a Work)."""
 
     _backend: UccBackend
+    _finished = False
+    _failure: BaseException | None = None
+    _done_fns: list[Callable[[], object]] | None = None
 
-    def _wait_native(self, timeout: float | None) -> bool:
-        if self._is_done:
+    def _deliver(self) -> None:
+        """Mark the op finished and run the kernel's done-callbacks (once)."""
+        with _DONE_LOCK:
+            self._finished = True
+            fns, self._done_fns = self._done_fns, None
+        for fn in fns or ():
+            fn()
+
+    # -- spmd.comm.work.NativeWork -----------------------------------------------------
+    def poll(self) -> bool:
+        if not self._finished:
+            self._backend.engine.try_progress()
+        return self._finished
+
+    def wait(self, timeout: float | None) -> bool:
+        if self._finished:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._backend.engine.wait_until(lambda: self._is_done, deadline)
+        return self._backend.engine.wait_until(lambda: self._finished, deadline)
 
-    def is_completed(self) -> bool:
-        if not self._is_done:
-            self._backend.engine.try_progress()
-        return self._is_done
+    def abort(self) -> None:
+        """UCX requests are not cancelled one by one; a failed peer ends them (FAILURE_GRACE)."""
 
-    def add_done_callback(self, callback) -> None:  # type: ignore[no-untyped-def]
-        if not self._is_done:
+    def error(self) -> BaseException | None:
+        return self._failure
+
+    def add_done_callback(self, fn: Callable[[], object]) -> None:
+        with _DONE_LOCK:
+            if not self._finished:
+                if self._done_fns is None:
+                    self._done_fns = []
+                self._done_fns.append(fn)
+                pending = True
+            else:
+                pending = False
+        if pending:
             self._backend.engine.wants_callback(self)
-        super().add_done_callback(callback)
+        else:
+            fn()
 
 
 class UcxWork(EngineWork):
-    """A Work over one UCX request (isend/irecv)."""
+    """One UCX request (isend/irecv)."""
 
     def __init__(self, backend: UccBackend, req: Any, buffer: Any, peer: Peer, what: str) -> None:
-        Work.__init__(self)
         self._backend = backend
         self._req = req
         self._buffer = buffer  # what UCX reads or writes: alive until the request is done
@@ -91,7 +124,7 @@ class UcxWork(EngineWork):
         self._failure: BaseException | None = None
         self._born = time.monotonic()
 
-    def poll(self) -> bool:
+    def advance(self) -> bool:
         if self._req.completed:
             self._failure = self._backend.request_error(self._req, self._peer, self._what)
             return True
@@ -108,14 +141,13 @@ class UcxWork(EngineWork):
 
     def complete(self) -> None:
         self._req = self._buffer = None
-        self._finish(None, self._failure)
+        self._deliver()
 
 
 class CollectiveOp(EngineWork):
     """A native collective: a generator that yields the requests it waits for next."""
 
     def __init__(self, backend: UccBackend, name: str) -> None:
-        Work.__init__(self)
         self._backend = backend
         self._name = name
         self._gen: Generator[Requests, None, None] | None = None
@@ -135,15 +167,15 @@ class CollectiveOp(EngineWork):
         self._posted.append((req, tensor, src))
         return req
 
-    def start(self, gen: Generator[Requests, None, None]) -> Work:
+    def start(self, gen: Generator[Requests, None, None]) -> CollectiveOp:
         self._gen = gen
-        if not self.poll():
+        if not self.advance():
             self._backend.engine.register(self)
             return self
         self.complete()
         return self
 
-    def poll(self) -> bool:
+    def advance(self) -> bool:
         backend = self._backend
         try:
             while True:
@@ -178,7 +210,7 @@ class CollectiveOp(EngineWork):
         self._gen = None
         self._waiting = ()
         self._posted = []
-        self._finish(None, self._failure)
+        self._deliver()
 
 
 def _agree_group_id(ctx: BackendContext) -> int:
@@ -321,7 +353,7 @@ class UccBackend(Backend):
             raise CollectiveError(self.failure or f"peer {peer.label} is unreachable: {peer.failure}")
         return peer.ep.tag_recv(self.engine.array(tensor), self.engine.Tag(self._recv_base[src] | tag))
 
-    def _p2p(self, tensor: torch.Tensor, peer_rank: int, tag: int, send: bool) -> Work:
+    def _p2p(self, tensor: torch.Tensor, peer_rank: int, tag: int, send: bool) -> Work | NativeWork:
         what = f"{'isend to' if send else 'irecv from'} group rank {peer_rank} (tag {tag})"
         # A failed peer elsewhere in the group does not refuse this: the kernel's generic
         # collectives are made of these, and one in flight may still complete (see peer_failed).
@@ -331,16 +363,16 @@ class UccBackend(Backend):
         except CollectiveError as error:
             return Work.failed(error)
         work = UcxWork(self, req, buf, self._peers[peer_rank], what)  # type: ignore[arg-type]
-        if work.poll():
+        if work.advance():
             work.complete()
         else:
             self.engine.register(work)
         return work
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work | NativeWork:
         return self._p2p(tensor, dst, tag, True)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work | NativeWork:
         return self._p2p(tensor, src, tag, False)
 
     # -- native collectives ----------------------------------------------------------
@@ -349,7 +381,7 @@ class UccBackend(Backend):
         self._seq = seq + 1
         return CollectiveOp(self, f"{name} on group {self.ctx.group_name!r}"), _NATIVE | ((seq % _SEQ_SPAN) << 10)
 
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work | NativeWork:
         if self.failure is not None:
             return Work.failed(CollectiveError(self.failure))
         n = tensor.numel()

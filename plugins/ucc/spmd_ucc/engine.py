@@ -8,7 +8,7 @@ no new connection.
 Progress. UCX moves data only while someone calls ``worker.progress()``. Here
 that someone is whichever thread waits: the first waiter becomes the leader
 (it holds ``_lock``), progresses the worker, advances every in-flight operation
-(``Pending.poll``), spins for ``spin_s`` and then sleeps in ``poll(2)`` on the
+(``Pending.advance``), spins for ``spin_s`` and then sleeps in ``poll(2)`` on the
 worker's event descriptor (UCX's blocking mode: ``arm`` then wait), so an idle
 wait burns no CPU. Other waiters follow on a condition that the leader
 notifies whenever something finished. A background thread does the same when
@@ -97,7 +97,7 @@ class Pending:
     settled = False
     callback = False  # a done-callback waits for it: progress it even if nobody waits
 
-    def poll(self) -> bool:
+    def advance(self) -> bool:
         """Advance; return True once finished (successfully or not). Called under the engine lock."""
         raise NotImplementedError
 
@@ -296,7 +296,7 @@ class Engine:
             snapshot = list(self._active)
         finished = []
         for item in snapshot:
-            if item.poll():
+            if item.advance():
                 item.settled = True
                 finished.append(item)
         if finished:

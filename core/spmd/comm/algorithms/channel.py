@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from spmd.comm.buffers import BufferPool
-from spmd.comm.work import Work
+from spmd.comm.work import Work, as_work
 
 if TYPE_CHECKING:
     from spmd.comm.backend import Backend
@@ -37,10 +37,10 @@ class Channel:
         return self.backend.size
 
     def send(self, tensor: torch.Tensor, peer: int) -> Work:
-        return self.backend.isend(tensor, peer, self.tag)
+        return as_work(self.backend.isend(tensor, peer, self.tag))
 
     def recv(self, tensor: torch.Tensor, peer: int) -> Work:
-        return self.backend.irecv(tensor, peer, self.tag)
+        return as_work(self.backend.irecv(tensor, peer, self.tag))
 
     def wait(self, *works: Work) -> None:
         """Wait for every Work, all within the call's deadline."""

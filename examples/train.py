@@ -4,6 +4,7 @@
     spmd run --nproc-per-node 2 examples/train.py --strategy fsdp   # sharded: fully_shard per block, then the model
     spmd run --nproc-per-node 2 examples/train.py --tp 2          # tensor parallel: heads and MLP split over 2 ranks
     spmd run --nproc-per-node 4 examples/train.py --tp 2          # 2-D: tensor parallel 2 x data parallel 2
+    spmd run --nproc-per-node 4 examples/train.py --strategy fsdp --dp 2 --tp 2   # 2-D: tensor parallel inside FSDP
     spmd run --nproc-per-node 2 examples/train.py --pp 2          # pipeline: 2 stages, 1F1B, 4 microbatches
     spmd run --nproc-per-node 2 examples/train.py --steps 400 --batch-size 32 --out checkpoints/lm.pt
     spmd run --nproc-per-node 2 examples/train.py --save-every 50 --checkpoint-dir ckpt --resume   # continues from ckpt
@@ -19,7 +20,9 @@ loss curve as DDP up to float rounding, with a fraction of the parameter and
 optimizer memory per rank. ``--tp N`` splits attention heads, MLPs and the
 vocabulary of the output layer over N ranks (``parallelize_module``; the
 cross-entropy runs on vocabulary-sharded logits under ``loss_parallel``) and
-keeps world/N data-parallel replicas of that. ``--pp N`` cuts embeddings,
+keeps world/N data-parallel replicas of that (``--dp``), whose gradients are
+averaged, or, with ``--strategy fsdp``, sharded over them (TP inside FSDP on
+one (dp, tp) mesh). ``--pp N`` cuts embeddings,
 blocks and head into N pipeline stages run by ``--schedule`` (spmd.pipeline).
 Rank 0 shows a progress bar with the per-step loss
 and the global throughput (tokens/s), prints the loss every ``--log-every``
@@ -66,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree: heads and MLP split over this many ranks (a divisor of the world "
                              "and of --heads); the other ranks hold data-parallel replicas")
+    parser.add_argument("--dp", type=int, default=0,
+                        help="data-parallel degree (default: the world divided by --tp and --pp; if given it must be that)")
     parser.add_argument("--pp", type=int, default=1,
                         help="pipeline stages: embeddings, blocks and head cut into this many stages, one per rank "
                              "(a divisor of the world); the other ranks hold data-parallel replicas")
@@ -207,9 +212,8 @@ def main() -> None:
         raise SystemExit(f"--tp {args.tp} must divide the world size {world} and --heads {args.heads}")
     if world % args.pp or (args.pp > 1 and args.tp > 1) or (args.pp > 1 and args.strategy == "fsdp"):
         raise SystemExit(f"--pp {args.pp} must divide the world size {world}, with neither --tp nor --strategy fsdp")
-    if args.tp > 1 and args.strategy == "fsdp":
-        raise SystemExit("--tp with --strategy fsdp is not supported yet (FSDP of tensor-parallel parameters needs "
-                         "strided sharding); use --tp with the default data-parallel strategy")
+    if args.dp and args.dp * args.tp * args.pp != world:
+        raise SystemExit(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} must equal the world size {world}")
     mesh = spmd.init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp")) if args.tp > 1 else None
     if args.pp > 1:
         mesh = spmd.init_device_mesh("cpu", (world // args.pp, args.pp), mesh_dim_names=("dp", "pp"))
@@ -234,6 +238,10 @@ def main() -> None:
         clip = lambda params, max_norm: clip_across(list(params), max_norm, pp_group)  # noqa: E731
     elif mesh is not None:
         model = parallelize_module(CharGPT(cfg), mesh["tp"], TP_PLAN)
+        if args.strategy == "fsdp":  # 2-D: each tensor-parallel piece sharded again over the replicas
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
         clip = clip_grad_norm_  # one scalar all-reduce per sharding group
     elif args.strategy == "fsdp":
         model = CharGPT(cfg)
@@ -250,7 +258,7 @@ def main() -> None:
         layout = args.strategy
         if mesh is not None:
             kind = f"tensor parallel {args.tp}" if args.tp > 1 else f"pipeline {args.pp} stages ({args.schedule})"
-            layout = f"{kind} x data parallel {replicas}"
+            layout = f"{kind} x {'fully sharded' if args.strategy == 'fsdp' else 'data parallel'} {replicas}"
         if full is not None:
             n_params = sum(p.numel() for p in full.parameters())
         print(f"world {world} ({spmd.get_backend()}, {layout}), {n_params / 1e6:.2f} M parameters, "
@@ -276,7 +284,7 @@ def main() -> None:
             with loss_parallel() if tp_mesh is not None else nullcontext():
                 loss = compute_loss(model, x, y, tp_mesh)
                 loss.backward()  # returns with gradients averaged over the ranks (FSDP: each rank's rows of them)
-        if mesh is not None and replicas > 1:
+        if mesh is not None and replicas > 1 and args.strategy != "fsdp":
             average_gradients(model, mesh.get_group("dp"))
         clip(model.parameters(), 1.0)
         optimizer.step()
@@ -302,10 +310,12 @@ def main() -> None:
     # Plain keys, loadable into CharGPT; with FSDP every rank takes part in gathering, rank 0 keeps the result.
     if full is not None:
         pass  # gathered above
+    elif args.strategy == "fsdp":
+        state = get_full_state_dict(model)
     elif mesh is not None:
         state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
     else:
-        state = get_full_state_dict(model) if args.strategy == "fsdp" else model.state_dict()
+        state = model.state_dict()
     if leader:
         print(f"done: {args.steps} steps in {elapsed:.1f} s, {tokens_per_step * args.steps / elapsed:,.0f} tok/s; "
               f"loss {first_loss:.3f} -> {last_loss:.3f} (uniform guess: {math.log(tokenizer.vocab_size):.3f}), "

@@ -70,3 +70,26 @@ def test_train_example_two_dimensional_tensor_and_data_parallel(tmp_path):
     ddp = losses(run_train(2, [], tmp_path / "ddp.pt"))
     two_d = losses(run_train(4, ["--tp", "2"], tmp_path / "2d.pt"))
     assert len(ddp) == 5 and max(abs(a - b) for a, b in zip(ddp, two_d)) < 2e-4, (ddp, two_d)
+
+
+def test_tensor_parallel_inside_fsdp_on_a_two_by_two_mesh(spmd_world):
+    """2-D: parallelize_module over mesh['tp'], fully_shard over mesh['dp']: 3 SGD steps (with
+    clip_grad_norm_) follow one process on the whole batch; tp-sharded weights gain Shard(0) over dp."""
+    for r in spmd_world(4, "gloo").run(h.tensor_parallel_inside_fsdp, timeout=300):
+        assert r["loss"] < TOL and r["norm"] < TOL and r["params"] < 1e-5, r
+        assert r["keys"] and r["reloaded"]
+        # q.weight (8, 8): rows split over tp (4 each), then those rows over dp (2 each)
+        assert r["q_layout"] == (("tp", "dp"), ["Shard(dim=0)", "Shard(dim=0)"], (2, 8)), r["q_layout"]
+        assert r["norm_layout"] == ["Replicate()", "Shard(dim=0)"]
+
+
+def test_train_example_tensor_parallel_inside_fsdp(tmp_path):
+    """The README's 2-D command: --strategy fsdp --dp 2 --tp 2 on 4 ranks follows DDP on 2 ranks, and saves
+    the same plain state dict."""
+    import torch
+
+    ddp = losses(run_train(2, [], tmp_path / "ddp.pt"))
+    two_d = losses(run_train(4, ["--strategy", "fsdp", "--dp", "2", "--tp", "2"], tmp_path / "2d.pt"))
+    assert len(ddp) == 5 and max(abs(a - b) for a, b in zip(ddp, two_d)) < 2e-4, (ddp, two_d)
+    one, two = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "2d.pt")
+    assert one.keys() == two.keys() and max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4

@@ -147,6 +147,13 @@ class DeviceMesh:
         sub._parent_dims = (self, indices)  # a sub-mesh's groups are its parent's: created there, once
         return sub
 
+    def _root(self) -> DeviceMesh:
+        """The mesh ``init_device_mesh`` made, that this one was sliced from (itself if not a slice)."""
+        mesh = self
+        while mesh._parent_dims is not None:
+            mesh = mesh._parent_dims[0]
+        return mesh
+
     def _dim_index(self, mesh_dim: int | str) -> int:
         if isinstance(mesh_dim, str):
             if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
@@ -189,6 +196,28 @@ class DeviceMesh:
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+
+
+def concatenate_meshes(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
+    """The mesh over ``outer``'s dimensions then ``inner``'s, both slices of one named mesh.
+
+    Placements on it apply left to right, so ``(*outer_placements, Shard(0))``
+    chunks the piece ``outer`` already gave this rank: how FSDP shards a
+    tensor-parallel parameter over the data-parallel dimension.
+    """
+    root = outer._root()
+    names = (outer.mesh_dim_names or ()) + (inner.mesh_dim_names or ())
+    if (
+        inner._root() is not root
+        or root.mesh_dim_names is None
+        or len(names) != outer.ndim + inner.ndim
+        or len(set(names)) != len(names)
+    ):
+        raise ValueError(
+            f"concatenate_meshes: {outer} and {inner} must be slices over distinct named dimensions of one "
+            "init_device_mesh(..., mesh_dim_names=...) mesh, e.g. mesh['tp'] and mesh['dp']"
+        )
+    return root[names]
 
 
 def init_device_mesh(

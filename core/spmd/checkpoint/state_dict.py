@@ -132,7 +132,7 @@ def get_state_dict(
 def assign(target: torch.Tensor, value: Any) -> None:
     """Copy ``value`` into ``target`` in place, whatever each one's placements (a full tensor into a shard too)."""
     from spmd.tensor.dtensor import DTensor
-    from spmd.tensor.spec import local_shape_and_offset
+    from spmd.tensor.spec import local_piece
 
     with torch.no_grad():
         if isinstance(target, DTensor):
@@ -147,8 +147,7 @@ def assign(target: torch.Tensor, value: Any) -> None:
             if value.ndim == 0 or spec.mesh.get_coordinate() is None:
                 target._local_tensor.copy_(value)
                 return
-            sizes, offsets = local_shape_and_offset(spec.shape, spec.mesh, spec.placements)
-            target._local_tensor.copy_(value[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))])
+            target._local_tensor.copy_(local_piece(value, spec))
         else:
             target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
 

@@ -113,7 +113,7 @@ class DTensor(torch.Tensor):
             )
         if run_check:
             _check_shapes_across_ranks(local_tensor, spec)
-        return _FromLocal.apply(local_tensor, spec)
+        return FromLocal.apply(local_tensor, spec)
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (differentiable)."""
@@ -141,7 +141,9 @@ class DTensor(torch.Tensor):
         return replicated.to_local(grad_placements=grad_placements)
 
 
-class _FromLocal(torch.autograd.Function):
+class FromLocal(torch.autograd.Function):
+    """A local tensor as the DTensor ``spec`` describes, no checks; backward hands the gradient back in ``spec``'s placements."""
+
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec) -> DTensor:
         ctx.spec = spec

@@ -59,6 +59,12 @@ def local_shape_and_offset(
     return tuple(sizes), tuple(offsets)
 
 
+def local_piece(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """This rank's piece of the global tensor ``full`` under ``spec`` (a view; Partial is taken as Replicate)."""
+    sizes, offsets = local_shape_and_offset(spec.shape, spec.mesh, spec.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+
+
 def size_before(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...], mesh_dim: int, dim: int) -> int:
     """The size of tensor dimension ``dim`` that mesh dimension ``mesh_dim`` chunks (after the outer ones)."""
     coord = mesh.get_coordinate()

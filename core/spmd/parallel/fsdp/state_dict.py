@@ -19,6 +19,7 @@ from torch import nn
 from spmd.comm.collectives import broadcast
 from spmd.comm.init import get_rank
 from spmd.tensor.dtensor import DTensor
+from spmd.tensor.spec import local_piece
 
 
 def get_full_state_dict(module: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True) -> dict[str, Any]:
@@ -70,9 +71,6 @@ def load_full_tensors_pre_hook(unit: Any) -> Callable[..., None]:
             spec = unit.specs[index]
             if tuple(value.shape) != spec.shape:
                 continue  # load_state_dict reports the size mismatch
-            rows = unit.layout.slots[index].rows[unit.rank]
-            start = unit.layout.row_offset(index, unit.rank)
-            local = value.detach().narrow(0, start, rows).to(spec.dtype)
-            state_dict[key] = DTensor(local, spec)
+            state_dict[key] = DTensor(local_piece(value.detach(), spec).to(spec.dtype), spec)
 
     return hook

@@ -6,6 +6,11 @@ buffer per rank; each parameter is an ``nn.Parameter`` wrapping a DTensor
 (``Shard(0)``, or ``(Replicate(), Shard(0))`` on a 2-D mesh) whose local
 tensor is a view of that buffer, so the optimizer updates the buffer in
 place and the all-gather reads it without a copy (without mixed precision).
+A tensor-parallel parameter (a DTensor on other dimensions of the same mesh)
+is sharded the same way, its local piece's rows chunked over this unit's
+ranks: its DTensor lives on the concatenated mesh (``tp`` then ``dp``) with
+the tensor-parallel placements followed by ``Shard(0)``, and during forward
+the module sees the tensor-parallel DTensor again (2-D: TP inside, FSDP outside).
 Unsharding is one ``all_gather_into_tensor`` of the whole unit and one copy
 into the parameter-major unsharded buffer; the gradient reduction is one
 ``reduce_scatter_tensor`` (plus, with HSDP, one ``all_reduce`` over the
@@ -25,11 +30,11 @@ from spmd.comm import collectives
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import Work
 from spmd.errors import SpmdError
-from spmd.mesh import DeviceMesh
+from spmd.mesh import DeviceMesh, concatenate_meshes
 from spmd.parallel.fsdp.layout import FlatLayout
 from spmd.parallel.fsdp.policy import MixedPrecisionPolicy
 from spmd.tensor import debug
-from spmd.tensor.dtensor import DTensor
+from spmd.tensor.dtensor import DTensor, FromLocal
 from spmd.tensor.placements import Placement, Replicate, Shard
 from spmd.tensor.spec import DTensorSpec, contiguous_stride
 
@@ -78,24 +83,29 @@ class FSDPUnit:
         for name, p in named:
             if p.ndim == 0:
                 raise SpmdError(f"fully_shard: parameter {name!r} is a scalar; dim 0 cannot be sharded (make it shape (1,))")
-            if isinstance(p, DTensor):
-                raise SpmdError(f"fully_shard: parameter {name!r} is already a DTensor; apply fully_shard once per module")
         self.dtype: torch.dtype = dtypes.pop() if dtypes else torch.float32
         self.compute_dtype = mp_policy.compute_dtype(self.dtype)
         self.reduce_dtype = mp_policy.gradient_dtype(self.dtype)
-        self.layout = FlatLayout([tuple(p.shape) for _, p in named], self.world)
+        #: Per parameter: the DTensorSpec it has inside the module's forward (tensor parallel), or None (plain).
+        self.inner_specs = [self._inner_spec(name, p) for name, p in named]
+        data = [p._local_tensor if isinstance(p, DTensor) else p for _, p in named]  # type: ignore[attr-defined]
+        self.layout = FlatLayout([tuple(t.shape) for t in data], self.world)
         device = named[0][1].device if named else torch.device(mesh.device_type)
         self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
         self.specs: list[DTensorSpec] = []
         self.params: list[nn.Parameter] = []
         self.owners: list[list[tuple[nn.Module, str]]] = []
         with torch.no_grad():
-            for index, (_name, p) in enumerate(named):
+            for index, ((_name, p), whole, inner) in enumerate(zip(named, data, self.inner_specs)):
                 local = self.layout.local_view(self.flat_shard, index, self.rank)
                 start = self.layout.row_offset(index, self.rank)
-                local.copy_(p.detach().narrow(0, start, local.shape[0]))
+                local.copy_(whole.detach().narrow(0, start, local.shape[0]))
                 shape = tuple(p.shape)
-                spec = DTensorSpec(mesh, self.placements, shape, contiguous_stride(shape), self.dtype)
+                if inner is None:
+                    spec = DTensorSpec(mesh, self.placements, shape, contiguous_stride(shape), self.dtype)
+                else:  # the tensor-parallel placements, then this unit's: dp chunks the tp piece's rows
+                    outer = concatenate_meshes(inner.mesh, mesh)
+                    spec = DTensorSpec(outer, inner.placements + self.placements, shape, inner.stride, self.dtype)
                 sharded = nn.Parameter(DTensor(local, spec), requires_grad=p.requires_grad)
                 if sharded._local_tensor.data_ptr() != local.data_ptr() and local.numel():  # type: ignore[attr-defined]
                     raise SpmdError("fully_shard: nn.Parameter copied the DTensor's local shard; the flat shard would go stale")
@@ -116,6 +126,22 @@ class FSDPUnit:
         self.root: Any = None  # the FSDPRoot that drives this unit, set on the root's first forward
         self.grad_params = [i for i, p in enumerate(self.params) if p.requires_grad]
         self.dummy = torch.empty(0, requires_grad=True)  # gives the views' autograd node an input
+
+    def _inner_spec(self, name: str, p: nn.Parameter) -> DTensorSpec | None:
+        """A tensor-parallel DTensor parameter's spec (in the compute dtype), checked; None for a plain one."""
+        if not isinstance(p, DTensor):
+            return None
+        spec: DTensorSpec = p._spec  # type: ignore[attr-defined]
+        shared = set(spec.mesh.mesh_dim_names or ()) & set(self.mesh.mesh_dim_names or ())
+        if shared or not spec.mesh.mesh_dim_names or not self.mesh.mesh_dim_names:
+            raise SpmdError(
+                f"fully_shard: parameter {name!r} is already a DTensor on {spec.mesh}; fully_shard takes plain "
+                "parameters, or tensor-parallel ones on other dimensions of the same named mesh "
+                "(parallelize_module(m, mesh['tp'], ...) then fully_shard(m, mesh=mesh['dp'])); apply fully_shard once per module"
+            )
+        if not all(isinstance(q, (Shard, Replicate)) for q in spec.placements):
+            raise SpmdError(f"fully_shard: parameter {name!r} has placements {spec.placements}; only Shard and Replicate can be sharded further")
+        return DTensorSpec(spec.mesh, spec.placements, spec.shape, spec.stride, self.compute_dtype)
 
     # -- unshard / reshard -------------------------------------------------------------
     def _free_full(self) -> None:
@@ -210,9 +236,10 @@ class FSDPUnit:
     # -- the module's attributes during forward -------------------------------------------
     def install(self, views: list[torch.Tensor]) -> None:
         """Point the modules' parameter attributes at the unsharded views (shadowing the sharded parameters)."""
-        for owners, view in zip(self.owners, views):
+        for owners, view, inner in zip(self.owners, views, self.inner_specs):
+            value = view if inner is None else FromLocal.apply(view, inner)  # the tensor-parallel DTensor it was
             for owner, attr in owners:
-                owner.__dict__[attr] = view
+                owner.__dict__[attr] = value
 
     def uninstall(self) -> None:
         """The modules' parameter attributes are the sharded parameters again."""

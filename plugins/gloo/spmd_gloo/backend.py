@@ -63,7 +63,7 @@ class GlooWork:
     _done = False
 
     def __init__(self, native: tdist.Work, group_timeout: float, keep_alive: object = None) -> None:
-        self._native = native
+        self._native: tdist.Work | None = native
         self._group_timeout = group_timeout
         self._keep_alive = keep_alive  # views whose storage Gloo reads or writes
 
@@ -77,28 +77,33 @@ class GlooWork:
                 self._error = CollectiveError(f"Gloo: {text}")
         self._done = True
         self._keep_alive = None
+        # c10d's Work holds the op's tensors until it is freed, and a finished Work may wait in the
+        # watchdog's list for a while: let go of the buffers now (an FSDP unit's gathered parameters)
+        self._native = None
         return True
 
     # -- spmd.comm.work.NativeWork -----------------------------------------------------
     def poll(self) -> bool:
-        if not self._done and self._native.is_completed():
+        native = self._native
+        if not self._done and native is not None and native.is_completed():
             try:
-                self._native.wait()  # finished: returns at once, or raises the op's error
+                native.wait()  # finished: returns at once, or raises the op's error
             except RuntimeError as error:
                 return self._settled(error)
             return self._settled(None)
         return self._done
 
     def wait(self, timeout: float | None) -> bool:
-        if self._done:
+        native = self._native
+        if self._done or native is None:
             return True
         try:
             if timeout is None or timeout >= self._group_timeout:
-                self._native.wait()  # Gloo enforces the group timeout itself: bounded too
+                native.wait()  # Gloo enforces the group timeout itself: bounded too
             else:
-                self._native.wait(timedelta(seconds=timeout))
+                native.wait(timedelta(seconds=timeout))
         except RuntimeError as error:
-            if "operation timed out" in str(error).lower() and not self._native.is_completed():
+            if "operation timed out" in str(error).lower() and not native.is_completed():
                 return False  # our shorter timed wait expired; the op itself may still finish
             return self._settled(error)
         return self._settled(None)
@@ -110,8 +115,12 @@ class GlooWork:
         return self._error
 
     def add_done_callback(self, fn: Callable[[], object]) -> None:
+        native = self._native
+        if native is None:  # already settled
+            fn()
+            return
         try:
-            future = self._native.get_future()
+            future = native.get_future()
         except RuntimeError:  # Gloo's send/recv and reduce_scatter works have no future
             threading.Thread(target=lambda: (self.wait(None), fn()), name="spmd-gloo-wait", daemon=True).start()
         else:

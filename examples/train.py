@@ -6,6 +6,7 @@
     spmd run --nproc-per-node 4 examples/train.py --tp 2          # 2-D: tensor parallel 2 x data parallel 2
     spmd run --nproc-per-node 4 examples/train.py --strategy fsdp --dp 2 --tp 2   # 2-D: tensor parallel inside FSDP
     spmd run --nproc-per-node 2 examples/train.py --pp 2          # pipeline: 2 stages, 1F1B, 4 microbatches
+    spmd run --nproc-per-node 4 examples/train.py --pp 2 --strategy fsdp   # 2-D: 2 stages, each sharded over 2 ranks
     spmd run --nproc-per-node 2 examples/train.py --steps 400 --batch-size 32 --out checkpoints/lm.pt
     spmd run --nproc-per-node 2 examples/train.py --save-every 50 --checkpoint-dir ckpt --resume   # continues from ckpt
     python examples/train.py                          # a world of one
@@ -23,7 +24,9 @@ cross-entropy runs on vocabulary-sharded logits under ``loss_parallel``) and
 keeps world/N data-parallel replicas of that (``--dp``), whose gradients are
 averaged, or, with ``--strategy fsdp``, sharded over them (TP inside FSDP on
 one (dp, tp) mesh). ``--pp N`` cuts embeddings,
-blocks and head into N pipeline stages run by ``--schedule`` (spmd.pipeline).
+blocks and head into N pipeline stages run by ``--schedule`` (spmd.pipeline);
+the other ranks are data-parallel replicas of each stage (averaged, or sharded
+with ``--strategy fsdp``).
 Rank 0 shows a progress bar with the per-step loss
 and the global throughput (tokens/s), prints the loss every ``--log-every``
 steps and the validation loss at the end, samples some text, and saves the
@@ -127,8 +130,8 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_across(parameters: list[torch.nn.Parameter], max_norm: float, group: spmd.ProcessGroup) -> None:
-    """clip_grad_norm_ over a model whose parameters are spread over ``group`` (pipeline stages)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    """clip_grad_norm_ over a model whose gradients are spread over ``group`` (pipeline stages, FSDP shards)."""
+    grads = [as_local(p.grad) for p in parameters if p.grad is not None]
     total = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
     spmd.all_reduce(total, group=group)
     scale = torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
@@ -139,13 +142,24 @@ def clip_across(parameters: list[torch.nn.Parameter], max_norm: float, group: sp
 def gather_stages(full: torch.nn.Module, piece: torch.nn.Module, group: spmd.ProcessGroup) -> dict[str, torch.Tensor]:
     """The whole model's state dict on the first rank of ``group``, from each stage's parameters."""
     mine = {id(p) for p in piece.parameters()}
-    owned = {k: v.detach().clone() for k, v in full.named_parameters() if id(v) in mine}
+    # FSDP stages: full_tensor gathers each shard over dp (every rank of the stage calls it in one order)
+    owned = {k: as_full(v.detach()).clone() for k, v in full.named_parameters() if id(v) in mine}
     pieces: list = [None] * group.size if group.rank == 0 else []
     spmd.gather_object(owned, pieces if group.rank == 0 else None, group_dst=0, group=group)
     state = dict(full.state_dict())
     for part in pieces:
         state.update(part or {})
     return state
+
+
+def as_local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (anything else unchanged)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def as_full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered in full (a collective over its mesh; anything else unchanged)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def as_plain(t: torch.Tensor) -> torch.Tensor:
@@ -210,8 +224,8 @@ def main() -> None:
     train, val = ids[:split], ids[split:]
     if world % args.tp or args.heads % args.tp:
         raise SystemExit(f"--tp {args.tp} must divide the world size {world} and --heads {args.heads}")
-    if world % args.pp or (args.pp > 1 and args.tp > 1) or (args.pp > 1 and args.strategy == "fsdp"):
-        raise SystemExit(f"--pp {args.pp} must divide the world size {world}, with neither --tp nor --strategy fsdp")
+    if world % args.pp or (args.pp > 1 and args.tp > 1):
+        raise SystemExit(f"--pp {args.pp} must divide the world size {world}, without --tp")
     if args.dp and args.dp * args.tp * args.pp != world:
         raise SystemExit(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} must equal the world size {world}")
     mesh = spmd.init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp")) if args.tp > 1 else None
@@ -233,9 +247,16 @@ def main() -> None:
         full = CharGPT(cfg)  # every rank builds it alike and keeps its stage's layers
         stage_index, pp_group = mesh.get_local_rank("pp"), mesh.get_group("pp")
         model = split_module(as_layers(full), num_stages=args.pp)[stage_index]
+        if args.strategy == "fsdp":  # each layer of the stage sharded over the data-parallel replicas
+            for layer in model:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
         stage = PipelineStage(model, stage_index, args.pp, "cpu", group=pp_group)
         schedule = get_schedule(args.schedule)(stage, args.microbatches, loss_fn=lm_loss)
-        clip = lambda params, max_norm: clip_across(list(params), max_norm, pp_group)  # noqa: E731
+        # FSDP: the stages' gradients are also sharded over dp, so the norm sums over every rank
+        norm_group = spmd.new_group() if args.strategy == "fsdp" else pp_group
+        clip = lambda params, max_norm: clip_across(list(params), max_norm, norm_group)  # noqa: E731
     elif mesh is not None:
         model = parallelize_module(CharGPT(cfg), mesh["tp"], TP_PLAN)
         if args.strategy == "fsdp":  # 2-D: each tensor-parallel piece sharded again over the replicas
@@ -303,8 +324,11 @@ def main() -> None:
 
     if full is not None:  # pipeline: the first rank of each stage group holds the whole model afterwards
         state = gather_stages(full, model, pp_group)
-        full.load_state_dict(state)
-        val_loss = evaluate(full, val, args, average=False) if leader else float("nan")
+        val_loss = float("nan")
+        if leader:  # on a plain model: the stages' modules may be sharded over the other ranks
+            whole = CharGPT(cfg)
+            whole.load_state_dict(state)
+            val_loss = evaluate(whole, val, args, average=False)
     else:
         val_loss = evaluate(model, val, args, tp_mesh=tp_mesh)
     # Plain keys, loadable into CharGPT; with FSDP every rank takes part in gathering, rank 0 keeps the result.

@@ -124,3 +124,28 @@ def with_ddp(name: str, n_microbatches: int) -> dict[str, Any]:
     else:
         schedule.step(target=y[half], losses=losses)
     return {"stage": pp.rank, "grads": [p.grad.tolist() for p in piece.parameters()]}
+
+
+def with_fsdp(name: str, n_microbatches: int) -> dict[str, Any]:
+    """Pipeline over "pp", FSDP over "dp" (each Linear a unit, then the stage) on a (2, 2) mesh."""
+    from spmd.parallel import fully_shard
+
+    mesh = spmd.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
+    piece = split_module(make_model(2), num_stages=2)[pp.rank]
+    for layer in piece:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(piece, mesh=mesh["dp"])
+    try:
+        schedule = get_schedule(name)(PipelineStage(piece, pp.rank, 2, "cpu", group=pp), n_microbatches, loss_fn=F.mse_loss)
+    except ValueError as error:
+        return {"stage": pp.rank, "error": str(error)}
+    x, y = make_batch()
+    half = slice(dp.rank * BATCH // 2, (dp.rank + 1) * BATCH // 2)
+    if pp.rank == 0:
+        schedule.step(x[half])
+    else:
+        schedule.step(target=y[half], losses=[])
+    grads = [p.grad.full_tensor().tolist() for p in piece.parameters()]  # sharded over dp: gathered to compare
+    return {"stage": pp.rank, "grads": grads, "sharded": [str(p.placements) for p in piece.parameters()][:1]}

@@ -78,6 +78,22 @@ def test_pipeline_over_pp_and_ddp_over_dp(spmd_world, name):
             torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_pipeline_over_pp_and_fsdp_over_dp(spmd_world, name):
+    """Each stage fully_shard-ed over "dp": one reduce-scatter per unit in the stage's last backward."""
+    results = spmd_world(4, "gloo").run(h.with_fsdp, name, 4, timeout=180)
+    grads, _ = h.reference(2, 4)
+    for r in results:
+        assert r["sharded"] == ["(Shard(dim=0),)"]
+        for got, want in zip(r["grads"], grads[r["stage"]], strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_split_backward_schedule_with_fsdp_is_refused_by_name(spmd_world):
+    for r in spmd_world(4, "gloo").run(h.with_fsdp, "zb_h1", 4, timeout=180):
+        assert "'zb_h1' splits backward into B and W" in r["error"], r
+
+
 # -- validator ----------------------------------------------------------------------------------
 
 
@@ -200,4 +216,16 @@ def test_train_example_pipeline_follows_one_process(tmp_path):
     piped = losses(run_train(2, ["--pp", "2", "--microbatches", "2"], tmp_path / "pp.pt"))
     assert len(single) == 5 and max(abs(a - b) for a, b in zip(single, piped)) < 2e-4, (single, piped)
     one, pp = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "pp.pt")
+    assert one.keys() == pp.keys() and max((one[k] - pp[k]).abs().max().item() for k in one) < 1e-4
+
+
+def test_train_example_pipeline_inside_fsdp_follows_ddp(tmp_path):
+    """--pp 2 --strategy fsdp on 4 ranks (two stages, each sharded over 2 replicas) follows DDP on 2 ranks."""
+    import torch
+    from train_runs import losses, run_train
+
+    ddp = losses(run_train(2, [], tmp_path / "ddp.pt"))
+    piped = losses(run_train(4, ["--pp", "2", "--microbatches", "2", "--strategy", "fsdp"], tmp_path / "pp.pt"))
+    assert len(ddp) == 5 and max(abs(a - b) for a, b in zip(ddp, piped)) < 2e-4, (ddp, piped)
+    one, pp = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "pp.pt")
     assert one.keys() == pp.keys() and max((one[k] - pp[k]).abs().max().item() for k in one) < 1e-4

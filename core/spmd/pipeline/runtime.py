@@ -71,6 +71,7 @@ class Runtime:
             raise ValueError("pipeline schedule: the rank of the last stage needs loss_fn=")
         self.sync_points = self._data_parallel_sync_points()
         self.sync_at = {i: s for s, i in self.sync_points.items()}
+        self.last_backward = self._sharded_last_backwards(cls)
         self.sent_meta: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
         self.recv_meta: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
         for s in self.stages.values():
@@ -94,6 +95,28 @@ class Runtime:
             split = any(a.stage == s and a.kind == Kind.W for a in self.program)
             kind = Kind.W if split else Kind.B
             points[s] = max(i for i, a in enumerate(self.program) if a.stage == s and a.kind == kind)
+        return points
+
+    def _sharded_last_backwards(self, cls: type) -> dict[int, int]:
+        """For each stage whose module is ``fully_shard``-ed, the program index of its last backward.
+
+        FSDP reduces in its own backward hooks: every microbatch's backward but
+        the stage's last runs with gradient sync off (unsharded gradients
+        accumulate locally) and the last one reduce-scatters them all, once.
+        A schedule that splits backward into B and W cannot be used: FSDP's
+        gradient hooks fire with the weight gradients, which W computes for
+        parameters FSDP swaps in during forward.
+        """
+        points: dict[int, int] = {}
+        for s, stage in self.stages.items():
+            if not hasattr(stage.submod, "set_requires_gradient_sync"):
+                continue
+            if any(a.stage == s and a.kind == Kind.W for a in self.program):
+                raise ValueError(
+                    f"pipeline schedule {getattr(cls, 'name', cls.__name__)!r} splits backward into B and W, which a "
+                    "fully_shard-ed stage cannot run; use gpipe, 1f1b or interleaved_1f1b with FSDP (or DDP with this one)"
+                )
+            points[s] = max(i for i, a in enumerate(self.program) if a.stage == s and a.kind == Kind.B)
         return points
 
     def _reduce_grads(self, stage: PipelineStage) -> None:
@@ -266,6 +289,8 @@ class Runtime:
                 if a.kind == Kind.F:
                     self._forward(a)
                 elif a.kind == Kind.B:
+                    if a.stage in self.last_backward:  # FSDP: reduce once, in the stage's last backward
+                        self.stages[a.stage].submod.set_requires_gradient_sync(i == self.last_backward[a.stage])  # type: ignore[operator]
                     self._backward(a)
                 else:
                     self._weight(a)

@@ -107,14 +107,15 @@ class FlatLayout:
             if grad is None:
                 piece.zero_()
                 continue
-            flat = grad.reshape(-1)
+            # Row blocks of the gradient as it is (a Linear's weight gradient is often a transposed
+            # view): no flattened copy of the whole gradient first.
+            rest = slot.shape[1:]
             if slot.even:
-                piece.copy_(flat.view(self.world, slot.padded))
+                piece.view(self.world, slot.step, *rest).copy_(grad.unflatten(0, (self.world, slot.step)))
                 continue
             piece.zero_()
             offset = 0
             for rank, rows in enumerate(slot.rows):
-                n = rows * slot.row_numel
-                if n:
-                    piece[rank].narrow(0, 0, n).copy_(flat.narrow(0, offset, n))
-                offset += n
+                if rows:
+                    piece[rank].narrow(0, 0, rows * slot.row_numel).view(rows, *rest).copy_(grad.narrow(0, offset, rows))
+                offset += rows

@@ -52,9 +52,9 @@ class FSDPRoot:
         if self._recording and unit not in self.order:
             self.order.append(unit)
         unit.unshard()
+        unit.wait_unshard()  # before prefetching: its gathered buffer is freed before the next one is allocated
         for target in self._forward_targets(unit):
             target.unshard()
-        unit.wait_unshard()
         if grad and unit.grad_params:
             views = list(unit.full_views)
             for index, view in zip(unit.grad_params, UnshardedViews.apply(unit, unit.dummy)):
@@ -103,10 +103,10 @@ class FSDPRoot:
     def pre_backward(self, unit: FSDPUnit) -> None:
         self._queue_callback()
         unit.unshard()
+        unit.wait_unshard()
         for target in self._backward_targets(unit):
             if target in self._in_backward:
                 target.unshard()
-        unit.wait_unshard()
 
     def _backward_targets(self, unit: FSDPUnit) -> list[FSDPUnit]:
         if unit.backward_prefetch is not None:
@@ -118,12 +118,14 @@ class FSDPRoot:
 
     def post_backward(self, unit: FSDPUnit, grads: tuple[torch.Tensor | None, ...]) -> None:
         self._queue_callback()
-        pending = unit.reduce_gradients(grads)
+        # Memory first: free this unit's unsharded parameters and the previous reduction's buffers
+        # (issued one unit ago: usually finished by now) before this reduction allocates its own.
         if unit is not self.root:
             unit.reshard()
         done, self._pending = self._pending, []
-        for earlier in done:  # issued one unit ago: usually finished by now
+        for earlier in done:
             earlier.unit.finish_reduce(earlier)
+        pending = unit.reduce_gradients(grads)
         if pending is not None:
             self._pending.append(pending)
 

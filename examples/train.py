@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -288,7 +289,8 @@ def main() -> None:
               flush=True)
 
     tokens_per_step = replicas * args.batch_size * args.context
-    bar = tqdm(total=args.steps, disable=not leader, unit="step", dynamic_ncols=True)
+    # the bar only on a terminal: in a log file its redraws are noise; the --log-every lines print either way
+    bar = tqdm(total=args.steps, disable=not (leader and sys.stderr.isatty()), unit="step", dynamic_ncols=True)
     first_loss = last_loss = float("nan")
     start = time.perf_counter()
     first_step = checkpointing.resume(args, model, optimizer, generator)

@@ -27,5 +27,7 @@ def explain_failure(group: ProcessGroup, entry: Entry, error: BaseException) -> 
     what = "timed out" if isinstance(error, CollectiveTimeoutError) else "failed"
     text = str(error) if str(error).startswith(desc) else f"{desc} {what}: {error}"
     explained = type(error)(f"{text}{diagnose(group, entry, what)}")
-    explained.__cause__ = error
+    # The message already carries the original one: chaining it would print the error twice.
+    explained.__cause__ = None
+    explained.__suppress_context__ = True
     return explained

@@ -17,11 +17,12 @@ import os
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as tdist
 
-from spmd.debug.dump import dump
+from spmd.debug.dump import dump, trace_dir
 from spmd.debug.recorder import Entry, recorder
 
 PROGRESS_KEY = "spmd/debug/progress/{rank}"
@@ -229,5 +230,12 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
     if ahead:
         summary.append(f"ranks already past it: {ahead}")
     return "\n  " + "; ".join(summary or ["every rank reached it (a backend-level problem?)"]) + "\n  per rank:\n" + "\n".join(lines) + (
-        "\n  flight-recorder dumps requested on every rank; run `spmd trace analyze <SPMD_TRACE_DIR>`"
+        f"\n  flight-recorder dumps requested on every rank; run `spmd trace analyze {_shell_path(trace_dir())}`"
     )
+
+
+def _shell_path(path: Path) -> str:
+    """``path`` absolute and quoted for a shell only if it needs it."""
+    import shlex
+
+    return shlex.quote(str(path.absolute()))

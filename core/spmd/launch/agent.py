@@ -129,7 +129,7 @@ class Agent:
                 continue
             assert failure is not None
             if self.restarts >= c.max_restarts:
-                _say(f"job failed; restarts used {self.restarts}/{c.max_restarts}\n{failure.summary()}")
+                _say(f"job failed; restarts used {self.restarts}/{c.max_restarts}\n{failure.summary(membership.node_rank)}")
                 self._publish_shutdown(f"job failed: rank {failure.rank} {failure.how}")
                 return failure.exit_code if failure.exit_code else 1
             self.restarts += 1

@@ -60,6 +60,7 @@ class Failure:
     host: str
     returncode: int
     detail: str
+    on_console: bool = False  # its stderr went to its node's terminal as it was written
 
     @property
     def how(self) -> str:
@@ -75,9 +76,14 @@ class Failure:
         """The agent's own exit code for this failure (shell convention for signals)."""
         return 128 - self.returncode if self.returncode < 0 else self.returncode
 
-    def summary(self) -> str:
+    def summary(self, node_rank: int | None = None) -> str:
+        """Who failed and how; its last output too unless ``node_rank``'s terminal showed it already."""
         lines = [f"rank {self.rank} (local rank {self.local_rank}) on node {self.node_rank} ({self.host}) {self.how}"]
-        if self.detail.strip():
+        if not self.detail.strip():
+            lines[0] += " (no traceback in its output)"
+        elif self.on_console and node_rank == self.node_rank:
+            lines[0] += "; its error is printed above"
+        else:
             lines.append("  its last output:")
             lines += [f"    {line}" for line in self.detail.rstrip().splitlines()]
         return "\n".join(lines)
@@ -221,7 +227,9 @@ class WorkerGroup:
         for thread in worker.threads:
             thread.join(timeout=1.0)  # let the pumps drain the last lines
         detail = _error_file_message(worker.error_file) or _last_traceback(list(worker.stderr_tail))
-        return Failure(worker.rank, worker.local_rank, self.membership.node_rank, self.membership.hosts[self.membership.node_rank], code, detail)
+        on_console = not self.config.redirects[worker.local_rank] & 2
+        return Failure(worker.rank, worker.local_rank, self.membership.node_rank, self.membership.hosts[self.membership.node_rank],
+                       code, detail, on_console)
 
     def signal_all(self, signum: int) -> None:
         for worker in self.workers:

@@ -227,3 +227,40 @@ def monitored_barrier_names_the_missing_rank(timeout: float) -> str:
         return outcome
     store.wait(["monitored_test/rank0_done"])  # no fixed sleep: away until rank 0 has given up
     return "stayed away"
+
+
+def after_a_timeout(timeout: float) -> list[str]:
+    """Rank 1 arrives late to an all_reduce that rank 0 gave up on; both ranks then carry on.
+
+    Returns what each of the three calls gave this rank: a value, or the error's type and
+    first line. A value must be the right one; the late pairing must end in named errors.
+    """
+    group = spmd.new_group([0, 1], timeout=timeout)
+    rank = spmd.get_rank()
+    outcomes = []
+    if rank == 1:
+        spmd.barrier(group=group)  # the backend exists on both ranks before rank 0's timed op
+        time.sleep(timeout + 1.0)
+    else:
+        spmd.barrier(group=group)
+    for step in range(3):
+        if rank == 1 and step == 0:
+            continue  # rank 1 never made rank 0's first call
+        t = torch.full((4,), float(rank + 1 + 10 * step))
+        try:
+            spmd.all_reduce(t, group=group)
+            outcomes.append(f"value {t.tolist()}")
+        except spmd.SpmdError as error:
+            outcomes.append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+    return outcomes
+
+
+def use_after_destroy() -> str:
+    group = spmd.new_group([0, 1])
+    spmd.all_reduce(torch.ones(2), group=group)
+    spmd.destroy_process_group(group)
+    try:
+        spmd.all_reduce(torch.ones(2), group=group)
+    except spmd.SpmdError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"

@@ -143,3 +143,31 @@ def test_a_rank_missing_from_the_first_collective_is_a_named_timeout(spmd_world,
     assert "keys:" not in message and "/cpu/" not in message  # not a store key
     assert "Exception raised from" not in stderr and "Traceback" not in stderr, stderr
     assert tuple(skipped) == ("skipped", "")
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "ucc", "p2p"])
+def test_a_timed_out_op_leaves_its_group_unusable_on_every_rank(spmd_world, backend):
+    """After rank 0's all_reduce times out, its later ops on that group raise at once, naming the op
+    that failed. The late rank 1's first call may pair with rank 0's abandoned one on backends that
+    cannot cancel an op (MPI, UCC: the one documented case of a wrong value), but its next call is a
+    named error; on Gloo its first call fails already."""
+    launcher, reason = _launcher(backend)
+    if launcher is None:
+        pytest.skip(reason)
+    world = spmd_world(2, backend, launcher=launcher or None)
+    try:
+        rank0, rank1 = world.run(helpers.after_a_timeout, 1.5, timeout=120)
+    finally:
+        world.kill()
+    assert rank0[0].startswith("CollectiveTimeoutError"), rank0
+    for later in rank0[1:]:
+        assert later.startswith("CollectiveError") and "cannot be used: all_reduce #1 failed on this rank" in later, rank0
+    named = ("CollectiveTimeoutError", "CollectiveError")
+    assert rank1[1].startswith(named), rank1  # the call after the mismatched one is always a named error
+    if backend in ("gloo", "p2p"):
+        assert rank1[0].startswith(named), rank1
+
+
+def test_a_destroyed_group_is_refused_not_recreated(spmd_world):
+    for message in spmd_world(2, "gloo").run(helpers.use_after_destroy):
+        assert message.startswith("CollectiveError") and "it was destroyed (destroy_process_group)" in message, message

@@ -13,7 +13,7 @@ import torch.distributed as tdist
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.registry import backends
 from spmd.comm.work import Timeout, seconds
-from spmd.errors import BackendUnavailableError, CollectiveTimeoutError
+from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
 
 
 class ProcessGroup:
@@ -55,6 +55,8 @@ class ProcessGroup:
         self._lock = threading.Lock()
         self._global_to_group = {g: i for i, g in enumerate(self.ranks)}
         self.seq = 0  # collectives issued on this group, in program order
+        #: Why no op may run on this group any more (a failed or timed-out op, or destroy), else None.
+        self.unusable: str | None = None
 
     # -- ranks ---------------------------------------------------------------------
     def group_rank(self, global_rank: int) -> int:
@@ -88,6 +90,23 @@ class ProcessGroup:
             )
         return name
 
+    # -- failure -------------------------------------------------------------------
+    def mark_unusable(self, reason: str) -> None:
+        """Refuse every later op on this group with ``reason`` (the first reason stays).
+
+        After an op failed or timed out the ranks may be out of step (its peers'
+        halves may still be posted in the backend and would pair with the next
+        op), so a later op could return a wrong value. Emptying
+        ``backends_by_device`` sends every op to ``backend_for``, which raises:
+        the hot path pays nothing for the check.
+        """
+        if self.unusable is None:
+            self.unusable = reason
+        self.backends_by_device = {}
+
+    def _refuse(self) -> None:
+        raise CollectiveError(f"group {self.name!r} (ranks {list(self.ranks)}) cannot be used: {self.unusable}")
+
     def backend(self, device_type: str, op: str | None = None, timeout: Timeout = None) -> Backend:
         """The backend for ``device_type``, created on first use.
 
@@ -98,6 +117,8 @@ class ProcessGroup:
         backend's own rendezvous says. Without ``op`` (point-to-point, eager
         creation) the backend's own rendezvous is all there is.
         """
+        if self.unusable is not None:
+            self._refuse()
         backend = self._backends.get(device_type)
         if backend is not None:
             return backend
@@ -113,7 +134,7 @@ class ProcessGroup:
         device = tensor.device
         backend = self.backends_by_device.get(device)
         if backend is None:
-            backend = self.backend(device.type, op, timeout)
+            backend = self.backend(device.type, op, timeout)  # raises if the group is unusable
             self.backends_by_device[device] = backend
         return backend
 
@@ -204,10 +225,10 @@ class ProcessGroup:
         return BackendUnavailableError(f"{detail}. Run `spmd doctor` to check the backend")
 
     def close(self) -> None:
-        """Close every backend this group created."""
+        """Close every backend this group created; later ops on it raise (create a new group instead)."""
         with self._lock:
             created, self._backends = self._backends, {}
-            self.backends_by_device = {}
+            self.mark_unusable("it was destroyed (destroy_process_group); create a new group with new_group()")
         for backend in created.values():
             backend.close()
 

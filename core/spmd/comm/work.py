@@ -173,6 +173,8 @@ class Work:
             event, callbacks = self._event, self._callbacks
             if callbacks is not None:
                 self._callbacks = None
+        if error is not None and self._group is not None:
+            self._mark_group(error)
         entry = self._entry
         if entry is not None:
             entry.finish(error)
@@ -226,8 +228,20 @@ class Work:
             raise self._explain(self._error)
         return True
 
+    def _mark_group(self, error: BaseException) -> None:
+        """A failed or timed-out op leaves its group unusable: its ranks may be out of step."""
+        entry = self._entry
+        what = f"{entry.op} #{entry.seq}" if entry is not None and entry.seq >= 0 else self.description
+        first = str(error).split("\n", 1)[0]
+        self._group.mark_unusable(
+            f"{what} failed on this rank ({type(error).__name__}: {first}), so its ranks may be out of step; "
+            "destroy it and create a new group, or restart the job"
+        )
+
     def _explain(self, error: BaseException) -> BaseException:
         """The error to raise: the kernel's diagnosis of it when it has one (computed once)."""
+        if self._group is not None:
+            self._mark_group(error)
         if self._explained is None:
             if self._on_error is not None:
                 self._explained = self._on_error(error)

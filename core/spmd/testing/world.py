@@ -135,6 +135,7 @@ class World:
     def _collect(self, ranks: list[int], deadline: float, what: str) -> list[Any]:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        retire = False
         pending: dict[Any, int] = {self._conns[r]: r for r in ranks}
         while pending:
             now = time.monotonic()
@@ -150,8 +151,9 @@ class World:
                     code = self._rank_procs[rank].poll()
                     errors[rank] = f"worker process exited (code {code}) without reporting"
                     continue
-                if status == "ok":
+                if status in ("ok", "ok-retire"):
                     results[rank] = payload
+                    retire = retire or status == "ok-retire"
                 else:
                     errors[rank] = str(payload)
         if pending or errors:
@@ -162,6 +164,8 @@ class World:
                 raise WorldTimeout(f"{what}: ranks {stuck} did not finish in time (world of {self.world_size} killed)")
             suffix = f"\n(ranks {stuck} were still running and were killed)" if stuck else ""
             raise RankFailure(f"{what} failed on ranks {sorted(errors)}:{report}{suffix}")
+        if retire:  # a rank's world group is unusable after a caught failure: the next test gets a new world
+            self.kill()
         return [results[r] for r in ranks]
 
     # -- teardown ----------------------------------------------------------------------

@@ -264,3 +264,43 @@ def use_after_destroy() -> str:
     except spmd.SpmdError as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def aliased_buffers() -> dict[str, bool]:
+    """Inputs laid over their outputs: each result against what the ranks' inputs say it must be."""
+    rank, world = spmd.get_rank(), spmd.get_world_size()
+    inputs = [torch.arange(4.0) + 10 * r for r in range(world)]  # every rank knows every rank's input
+    out: dict[str, bool] = {}
+    t = inputs[rank].clone()
+    spmd.all_to_all_single(t, t)  # the same tensor in and out
+    out["all_to_all_same_tensor"] = torch.equal(t, torch.cat([x.chunk(world)[rank] for x in inputs]))
+    buf = torch.zeros(6)
+    buf[:4] = inputs[rank]
+    spmd.all_to_all_single(buf[2:6], buf[:4])  # the output shifted two elements over the input
+    out["all_to_all_shifted"] = torch.equal(buf[2:6], torch.cat([x.chunk(world)[rank] for x in inputs]))
+    gathered = torch.zeros(4 * world)
+    mine = gathered[4 * rank : 4 * rank + 4]
+    mine.copy_(inputs[rank])
+    spmd.all_gather_into_tensor(gathered, mine)  # torch's documented in-place form
+    out["all_gather_in_place"] = torch.equal(gathered, torch.cat(inputs))
+    big = torch.cat(inputs) + rank  # reduce_scatter with the output inside its input
+    expected = sum(torch.cat(inputs) + r for r in range(world)).chunk(world)[rank]
+    spmd.reduce_scatter_tensor(big[:4], big)
+    out["reduce_scatter_in_place"] = torch.equal(big[:4], expected)
+    return out
+
+
+def all_to_all_splits_disagree() -> str:
+    """Desync mode on: rank 0 expects 1 row from rank 1, which sends 2."""
+    from spmd.debug import desync
+
+    rank = spmd.get_rank()
+    in_splits, out_splits = ([1, 1], [1, 1]) if rank == 0 else ([2, 0], [1, 1])
+    desync.on = True
+    try:
+        spmd.all_to_all_single(torch.zeros(2), torch.ones(2), out_splits, in_splits)
+        return "no error"
+    except spmd.SpmdError as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        desync.on = False

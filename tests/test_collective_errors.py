@@ -171,3 +171,20 @@ def test_a_timed_out_op_leaves_its_group_unusable_on_every_rank(spmd_world, back
 def test_a_destroyed_group_is_refused_not_recreated(spmd_world):
     for message in spmd_world(2, "gloo").run(helpers.use_after_destroy):
         assert message.startswith("CollectiveError") and "it was destroyed (destroy_process_group)" in message, message
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "ucc", "p2p"])
+def test_aliased_input_and_output_give_the_right_result(spmd_world, backend):
+    """all_to_all_single(t, t), an output shifted over its input, torch's in-place all_gather and an
+    in-place reduce_scatter: the kernel stages the input, so every backend computes the right values."""
+    launcher, reason = _launcher(backend)
+    if launcher is None:
+        pytest.skip(reason)
+    for result in spmd_world(2, backend, launcher=launcher or None).run(helpers.aliased_buffers, timeout=120):
+        assert all(result.values()), result
+
+
+def test_desync_mode_checks_all_to_all_splits_across_ranks(spmd_world):
+    for message in spmd_world(2, "gloo").run(helpers.all_to_all_splits_disagree, timeout=120):
+        assert message.startswith("CollectiveDesyncError"), message
+        assert "rank 1 sends 2 rows to rank 0, which expects 1 from it" in message, message

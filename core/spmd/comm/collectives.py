@@ -29,6 +29,7 @@ from spmd.comm.staging import (
     Contiguous,
     average,
     native_op,
+    overlaps,
     pool,
     sequence,
     staging_steps,
@@ -95,9 +96,10 @@ def reduce_scatter_tensor(
         )
     call = begin(g, "reduce_scatter_tensor", (input, output), op, None)
     native = native_op(backend, op)
-    if native is op and input.is_contiguous() and output.is_contiguous():
+    aliased = overlaps(input, output)
+    if native is op and input.is_contiguous() and output.is_contiguous() and not aliased:
         return complete(backend.reduce_scatter_tensor(output, input, op), g, "reduce_scatter_tensor", call, async_op, timeout=timeout)
-    staged_in = Contiguous(input)
+    staged_in = Contiguous(input, force=aliased)
     staged_out = Contiguous(output, copy_in=False)
     work = backend.reduce_scatter_tensor(staged_out.tensor, staged_in.tensor, native)
     steps = [average(staged_out.tensor, g.size)] if native is not op else []
@@ -166,9 +168,10 @@ def all_gather_into_tensor(
             f"allocate it as torch.empty(({g.size} * n, ...)) or torch.empty(({g.size}, n, ...))"
         )
     call = begin(g, "all_gather_into_tensor", (input_tensor, output_tensor), None, None)
-    if input_tensor.is_contiguous() and output_tensor.is_contiguous():
+    aliased = overlaps(input_tensor, output_tensor)  # torch's in-place form: input = output[own block]
+    if input_tensor.is_contiguous() and output_tensor.is_contiguous() and not aliased:
         return complete(backend.all_gather_into_tensor(output_tensor, input_tensor), g, "all_gather_into_tensor", call, async_op, timeout=timeout)
-    staged_in = Contiguous(input_tensor)
+    staged_in = Contiguous(input_tensor, force=aliased)
     staged_out = Contiguous(output_tensor, copy_in=False)
     work = backend.all_gather_into_tensor(staged_out.tensor, staged_in.tensor)
     after = sequence(*staging_steps(staged_out, staged_in, write_back=(staged_out,)))
@@ -245,10 +248,11 @@ def all_to_all_single(
             f"all_to_all_single: input rows have shape {tuple(input.shape[1:])} but output rows "
             f"{tuple(output.shape[1:])}; they must match"
         )
-    call = begin(g, "all_to_all_single", (input, output), None, None)
-    if input.is_contiguous() and output.is_contiguous():
+    call = begin(g, "all_to_all_single", (input, output), None, None, splits=(in_sizes, out_sizes))
+    aliased = overlaps(input, output)  # all_to_all_single(t, t), or an output shifted over its input
+    if input.is_contiguous() and output.is_contiguous() and not aliased:
         return complete(backend.all_to_all_single(output, input, out_sizes, in_sizes), g, "all_to_all_single", call, async_op, timeout=timeout)
-    staged_in = Contiguous(input)
+    staged_in = Contiguous(input, force=aliased)
     staged_out = Contiguous(output, copy_in=False)
     work = backend.all_to_all_single(staged_out.tensor, staged_in.tensor, out_sizes, in_sizes)
     after = sequence(*staging_steps(staged_out, staged_in, write_back=(staged_out,)))

@@ -27,6 +27,7 @@ def begin(
     tensors: Sequence[torch.Tensor],
     reduce_op: ReduceOp | None = None,
     root: int | None = None,
+    splits: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> Call:
     """What must precede submitting an op: nothing, or with the desync check on, recording and checking it.
 
@@ -38,7 +39,7 @@ def begin(
     """
     if desync.on:
         entry = recorder.start(group.name, group.next_seq(), op, tensors, reduce_op)
-        desync.check(group, entry, root)
+        desync.check(group, entry, root, splits)
         return entry
     return (op, tensors, reduce_op)
 

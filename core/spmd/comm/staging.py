@@ -21,10 +21,10 @@ AVG = ReduceOp.AVG  # a module constant: reading an Enum member off its class co
 class Contiguous:
     """A contiguous stand-in for a tensor: the tensor itself, or a pooled copy written back later."""
 
-    def __init__(self, tensor: torch.Tensor, copy_in: bool = True) -> None:
+    def __init__(self, tensor: torch.Tensor, copy_in: bool = True, force: bool = False) -> None:
         self.original = tensor
         self._buffer: torch.Tensor | None = None
-        if tensor.is_contiguous():
+        if tensor.is_contiguous() and not force:
             self.tensor = tensor
         else:
             self._buffer = pool.acquire(tensor.numel(), tensor.dtype, tensor.device)
@@ -44,6 +44,14 @@ class Contiguous:
         if self._buffer is not None:
             pool.release(self._buffer)
             self._buffer = None
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory ranges share bytes (an output laid over its input, torch's
+    in-place ``all_gather_into_tensor(out, out[own block])``); exact for contiguous tensors,
+    conservative otherwise. Such an input is staged: no backend sees aliased buffers."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes and a.nbytes > 0 and b.nbytes > 0
 
 
 def sequence(*steps: Callable[[], None] | None) -> Callable[[], None] | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -46,13 +47,39 @@ def _signature(entry: Entry, root: int | None) -> str:
     return text + (f" root={root}" if root is not None else "")
 
 
-def check(group: Any, entry: Entry, root: int | None = None) -> None:
-    """Raise CollectiveDesyncError on every rank unless all ranks of ``group`` make the same call."""
+def _split_mismatch(calls: list[str], ranks: tuple[int, ...]) -> str | None:
+    """For all_to_all_single: the first pair of ranks whose splits disagree, described; else None.
+
+    Rank i's input split j (rows it sends to j) must equal rank j's output split i.
+    """
+    sends, receives = [], []
+    for call in calls:
+        _, _, splits = call.partition(" splits ")
+        send, _, receive = splits.partition("/")
+        sends.append([int(n) for n in send.split(",") if n])
+        receives.append([int(n) for n in receive.split(",") if n])
+    for i, send in enumerate(sends):
+        for j, rows in enumerate(send):
+            if j < len(receives) and i < len(receives[j]) and receives[j][i] != rows:
+                return f"rank {ranks[i]} sends {rows} rows to rank {ranks[j]}, which expects {receives[j][i]} from it"
+    return None
+
+
+def check(
+    group: Any, entry: Entry, root: int | None = None, splits: tuple[Sequence[int], Sequence[int]] | None = None
+) -> None:
+    """Raise CollectiveDesyncError on every rank unless all ranks of ``group`` make the same call.
+
+    ``splits`` (all_to_all_single's input and output split sizes) are checked
+    across ranks: what rank i sends to rank j is what rank j expects from i.
+    """
     from spmd.comm.state import get_state
 
     store = get_state().store
     prefix = f"spmd/debug/desync/{group.name}/{entry.seq}/"
     mine = _signature(entry, root)
+    if splits is not None:
+        mine += f" splits {','.join(map(str, splits[0]))}/{','.join(map(str, splits[1]))}"
     store.set(prefix + str(group.rank), mine)
     keys = [prefix + str(r) for r in range(group.size)]
     try:
@@ -66,7 +93,9 @@ def check(group: Any, entry: Entry, root: int | None = None) -> None:
     calls = [store.get(key).decode() for key in keys]
     if entry.seq >= 2:
         store.delete_key(f"spmd/debug/desync/{group.name}/{entry.seq - 2}/{group.rank}")
-    if len(set(calls)) > 1:
+    bare = {call.partition(" splits ")[0] for call in calls}
+    split_problem = _split_mismatch(calls, group.ranks) if splits is not None and len(bare) == 1 else None
+    if len(bare) > 1 or split_problem is not None:
         # Every rank is about to raise (and maybe exit); let all finish reading first, since
         # the rank hosting the store takes it along when it exits.
         try:
@@ -80,5 +109,5 @@ def check(group: Any, entry: Entry, root: int | None = None) -> None:
         raise CollectiveDesyncError(
             f"ranks disagree on collective #{entry.seq} of group {group.name!r}:\n{table}\n"
             "every rank of a group must make the same collective calls, in the same order, "
-            "with matching shapes and dtypes"
+            "with matching shapes and dtypes" + (f"; all_to_all_single splits disagree: {split_problem}" if split_problem else "")
         )

@@ -52,14 +52,15 @@ def _split_mismatch(calls: list[str], ranks: tuple[int, ...]) -> str | None:
 
     Rank i's input split j (rows it sends to j) must equal rank j's output split i.
     """
-    sends, receives = [], []
+    sends: list[list[int]] = []
+    receives: list[list[int]] = []
     for call in calls:
         _, _, splits = call.partition(" splits ")
-        send, _, receive = splits.partition("/")
-        sends.append([int(n) for n in send.split(",") if n])
-        receives.append([int(n) for n in receive.split(",") if n])
-    for i, send in enumerate(sends):
-        for j, rows in enumerate(send):
+        send_text, _, receive_text = splits.partition("/")
+        sends.append([int(n) for n in send_text.split(",") if n])
+        receives.append([int(n) for n in receive_text.split(",") if n])
+    for i, sent in enumerate(sends):
+        for j, rows in enumerate(sent):
             if j < len(receives) and i < len(receives[j]) and receives[j][i] != rows:
                 return f"rank {ranks[i]} sends {rows} rows to rank {ranks[j]}, which expects {receives[j][i]} from it"
     return None

@@ -240,7 +240,7 @@ def after_a_timeout(timeout: float) -> list[str]:
     outcomes = []
     if rank == 1:
         spmd.barrier(group=group)  # the backend exists on both ranks before rank 0's timed op
-        time.sleep(timeout + 1.0)
+        time.sleep(timeout + 2.0)  # rank 0 gives up meanwhile, and says so through the store
     else:
         spmd.barrier(group=group)
     for step in range(3):

@@ -91,21 +91,37 @@ class ProcessGroup:
         return name
 
     # -- failure -------------------------------------------------------------------
-    def mark_unusable(self, reason: str) -> None:
+    def mark_unusable(self, reason: str, announce: bool = True) -> None:
         """Refuse every later op on this group with ``reason`` (the first reason stays).
 
         After an op failed or timed out the ranks may be out of step (its peers'
         halves may still be posted in the backend and would pair with the next
         op), so a later op could return a wrong value. Emptying
         ``backends_by_device`` sends every op to ``backend_for``, which raises:
-        the hot path pays nothing for the check.
+        the hot path pays nothing for the check. With ``announce`` the other
+        ranks' watchdogs learn it too (within one watchdog step, 0.2 s) and
+        refuse their next op on the group as well.
         """
-        if self.unusable is None:
+        first = self.unusable is None
+        if first:
             self.unusable = reason
         self.backends_by_device = {}
+        if first and announce:
+            from spmd.debug import watchdog
+
+            dog = watchdog.current()
+            if dog is not None:
+                try:
+                    dog.announce_unusable(self.name, reason)
+                except Exception:  # noqa: BLE001 - the store may be gone; this rank refuses regardless
+                    pass
+
+    def refusal(self) -> CollectiveError:
+        """The error every op on an unusable group raises."""
+        return CollectiveError(f"group {self.name!r} (ranks {list(self.ranks)}) cannot be used: {self.unusable}")
 
     def _refuse(self) -> None:
-        raise CollectiveError(f"group {self.name!r} (ranks {list(self.ranks)}) cannot be used: {self.unusable}")
+        raise self.refusal()
 
     def backend(self, device_type: str, op: str | None = None, timeout: Timeout = None) -> Backend:
         """The backend for ``device_type``, created on first use.
@@ -228,7 +244,7 @@ class ProcessGroup:
         """Close every backend this group created; later ops on it raise (create a new group instead)."""
         with self._lock:
             created, self._backends = self._backends, {}
-            self.mark_unusable("it was destroyed (destroy_process_group); create a new group with new_group()")
+            self.mark_unusable("it was destroyed (destroy_process_group); create a new group with new_group()", announce=False)
         for backend in created.values():
             backend.close()
 

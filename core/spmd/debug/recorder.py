@@ -128,6 +128,13 @@ class FlightRecorder:
             self.outstanding.extend(still)
         return overdue
 
+    def take_group(self, group: str) -> list[Any]:
+        """Take out and return the unfinished async Works of ``group`` (to fail them at once)."""
+        with self.lock:
+            mine = [item for item in self.outstanding if item[0].group == group]
+            self.outstanding = [item for item in self.outstanding if item[0].group != group]
+        return [work for _, work, _, _ in mine if not work.is_completed()]
+
     def snapshot(self) -> list[dict[str, Any]]:
         return [e.to_dict() for e in list(self.entries)]
 

@@ -29,6 +29,8 @@ PROGRESS_KEY = "spmd/debug/progress/{rank}"
 DUMP_COUNTER = "spmd/debug/dump_requests"
 DUMP_REASON = "spmd/debug/dump_reason"
 DUMPED_KEY = "spmd/debug/dumped/{rank}"  # the last request number this rank served
+UNUSABLE_COUNT = "spmd/debug/unusable_count"  # bumped whenever a rank gives up on a group
+UNUSABLE_KEY = "spmd/debug/unusable/{group}"  # which rank gave up on the group, and why
 #: How often (seconds, at most) the watchdog looks for async Works past their deadline.
 DEADLINE_STEP = 0.2
 
@@ -63,6 +65,7 @@ class Watchdog:
         self.client = _own_client(store)
         self.lock = threading.Lock()  # one user of the client at a time: the thread or a diagnosis
         self.seen_requests = 0
+        self.seen_unusable = 0
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="spmd-watchdog", daemon=True)
 
@@ -80,6 +83,7 @@ class Watchdog:
         while not self.stopped.wait(step):
             try:
                 expire_overdue()
+                self.adopt_unusable()
                 if time.monotonic() >= next_publish:
                     self.tick()
                     next_publish = time.monotonic() + self.interval
@@ -100,6 +104,41 @@ class Watchdog:
             dump(reason or "requested by another rank")
             with self.lock:
                 self.client.set(DUMPED_KEY.format(rank=self.rank), str(requests))
+
+    # -- groups a rank gave up on ------------------------------------------------------------
+    def announce_unusable(self, group: str, reason: str) -> None:
+        """Tell the other ranks that this rank gave up on ``group`` (one set, one add)."""
+        with self.lock:
+            self.client.set(UNUSABLE_KEY.format(group=group), f"rank {self.rank} gave up on it: {reason}")
+            self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 1))
+
+    def adopt_unusable(self) -> None:
+        """Mark unusable here every group another rank gave up on, and fail its pending async Works.
+
+        One store read per watchdog step while nothing happens. A rank that
+        arrives late to an op its peer abandoned then gets the named error at
+        its next call instead of pairing with the abandoned op.
+        """
+        with self.lock:
+            count = int(self.client.add(UNUSABLE_COUNT, 0))
+        if count == self.seen_unusable:
+            return
+        self.seen_unusable = count
+        from spmd.comm import state  # the debug package sits below comm
+
+        current = state._state
+        if current is None:
+            return
+        for group in [current.world, *current.groups.values()]:
+            if group.unusable is not None:
+                continue
+            key = UNUSABLE_KEY.format(group=group.name)
+            with self.lock:
+                reason = self.client.get(key).decode() if self.client.check([key]) else None
+            if reason is not None:
+                group.mark_unusable(reason, announce=False)
+                for work in recorder.take_group(group.name):
+                    work._expire(group.refusal())
 
     # -- used from the waiting thread -------------------------------------------------------
     def request_dumps(self, reason: str) -> int:

@@ -304,3 +304,22 @@ def all_to_all_splits_disagree() -> str:
         return f"{type(error).__name__}: {error}"
     finally:
         desync.on = False
+
+
+def mismatched_counts(timeout: float) -> list[str]:
+    """all_reduce of 4 elements on rank 0 and 1000 on rank 1, then one more all_reduce after a pause.
+
+    Returns each call's outcome on this rank: a value's length, or the error's type and text.
+    """
+    group = spmd.new_group([0, 1], timeout=timeout)
+    spmd.barrier(group=group)
+    outcomes = []
+    for n in ((4, 1000)[spmd.get_rank()], 4):
+        try:
+            t = torch.ones(n)
+            spmd.all_reduce(t, group=group)
+            outcomes.append(f"value of {t.numel()}")
+        except spmd.SpmdError as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+        time.sleep(timeout + 2.0)  # the peer's timeout, its announcement, and one watchdog step
+    return outcomes

@@ -86,6 +86,8 @@ class FlightRecorder:
         self.enabled = capacity > 0
         # group -> [last started seq, its op, last completed seq, its op]
         self.progress: dict[str, list[Any]] = {}
+        # group -> the last started entry (its signature is published with the progress)
+        self.last_started: dict[str, Entry] = {}
         # async (entry, work, monotonic deadline, timeout) for the watchdog to poll and age
         self.outstanding: list[tuple[Entry, Any, float | None, float | None]] = []
         self.lock = threading.Lock()
@@ -101,7 +103,16 @@ class FlightRecorder:
             else:
                 progress[0], progress[1] = seq, op
             entry._progress = progress
+            self.last_started[group] = entry
         return entry
+
+    def published_progress(self) -> dict[str, list[Any]]:
+        """``progress`` with each group's last started op's signature appended (for the store)."""
+        out = {}
+        for group, row in list(self.progress.items()):
+            entry = self.last_started.get(group)
+            out[group] = [*row, entry.signature() if entry is not None and entry.seq == row[0] else None]
+        return out
 
     def watch(self, entry: Entry, work: Any, limit: float | None = None) -> None:
         """Remember an async op and its deadline (``limit`` seconds from now; None: none) for the watchdog."""

@@ -94,7 +94,7 @@ class Watchdog:
     def tick(self) -> None:
         """Publish this rank's progress and serve dump requests (forgetting finished async ops first)."""
         recorder.poll_outstanding()
-        payload = json.dumps({"t": time.time(), "progress": recorder.progress})
+        payload = json.dumps({"t": time.time(), "progress": recorder.published_progress()})
         with self.lock:
             self.client.set(PROGRESS_KEY.format(rank=self.rank), payload)
             requests = int(self.client.add(DUMP_COUNTER, 0))
@@ -239,6 +239,7 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
         pass
     now = time.time()
     never, diverged, ahead, lines = [], [], [], []
+    calls: dict[int, str] = {}  # the signature each rank gave this seq, where it published one
     for r in group.ranks:
         info = progress.get(r)
         if info is None:
@@ -252,7 +253,9 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
             never.append(r)
             lines.append(f"    rank {r}: no op on this group yet{dead}")
             continue
-        started, started_op, done, done_op = state
+        started, started_op, done, done_op = state[:4]
+        if started == entry.seq and len(state) > 4 and state[4] is not None:
+            calls[r] = state[4]
         if started < entry.seq:
             never.append(r)
         elif started == entry.seq and started_op != entry.op:
@@ -268,6 +271,10 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
         summary.append(f"ranks that called a different op at seq {entry.seq}: {diverged}")
     if ahead:
         summary.append(f"ranks already past it: {ahead}")
+    calls.setdefault(dog.rank, entry.signature())
+    if len(set(calls.values())) > 1:  # same seq, different arguments: the likely cause of the hang
+        shown = " / ".join(f"rank {r}: {sig}" for r, sig in sorted(calls.items()))
+        summary.insert(0, f"ranks disagree on seq {entry.seq}: {shown}")
     return "\n  " + "; ".join(summary or ["every rank reached it (a backend-level problem?)"]) + "\n  per rank:\n" + "\n".join(lines) + (
         f"\n  flight-recorder dumps requested on every rank; run `spmd trace analyze {_shell_path(trace_dir())}`"
     )

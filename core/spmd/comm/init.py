@@ -18,6 +18,7 @@ import torch.distributed as tdist
 from spmd.comm import state
 from spmd.comm.group import ProcessGroup
 from spmd.comm.registry import backends, parse_backend_string
+from spmd.comm.tcp_store import host_tcp_store
 from spmd.errors import BackendUnavailableError, SpmdError
 
 log = logging.getLogger("spmd")
@@ -102,7 +103,10 @@ def _make_store(init_method: str | None, rank: int, world_size: int, addr: str, 
     torchrun_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     host = rank == 0 and not torchrun_store
     try:
-        store = tdist.TCPStore(addr, port, world_size, host, timeout=timeout)
+        if host:
+            store = host_tcp_store(addr, port, world_size, timeout)
+        else:
+            store = tdist.TCPStore(addr, port, world_size, False, timeout=timeout)
         if torchrun_store:
             return tdist.PrefixStore(f"spmd/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
         return store

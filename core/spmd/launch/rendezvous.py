@@ -23,6 +23,7 @@ from datetime import timedelta
 
 import torch.distributed as tdist
 
+from spmd.comm.tcp_store import host_tcp_store
 from spmd.errors import SpmdError
 
 
@@ -77,7 +78,7 @@ def connect_store(endpoint: str, timeout: float, host_it: bool | None) -> tuple[
     delta = timedelta(seconds=timeout)
     if host_it is not False:
         try:
-            return tdist.TCPStore(host, port, None, True, delta, wait_for_workers=False, multi_tenant=False), True
+            return host_tcp_store(host, port, None, delta, wait_for_workers=False, multi_tenant=False), True
         except Exception as error:  # noqa: BLE001 - someone else hosts it (or must)
             if host_it:
                 raise SpmdError(f"could not host the rendezvous store on {endpoint}: {error}") from error

@@ -29,7 +29,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
-import torch.distributed as tdist
+from spmd.comm.tcp_store import host_tcp_store
 
 #: Seconds a collective may block inside a test world before it raises.
 DEFAULT_COLLECTIVE_TIMEOUT = 30.0
@@ -66,7 +66,7 @@ class World:
         self._rank_procs: list[subprocess.Popen] = []  # the process that hosts each rank
         self._conns: list[Connection] = []
         authkey = secrets.token_bytes(16)
-        self._store = tdist.TCPStore("127.0.0.1", 0, world_size, True, timedelta(seconds=start_timeout), wait_for_workers=False)
+        self._store = host_tcp_store("127.0.0.1", 0, world_size, timedelta(seconds=start_timeout), wait_for_workers=False)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         worker_env = dict(os.environ)
         worker_env.setdefault("OMP_NUM_THREADS", "1")

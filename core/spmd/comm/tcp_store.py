@@ -1,0 +1,38 @@
+"""Hosting the job's TCPStore: on loopback only when every rank is on this machine.
+
+torch's TCPStore listens on every interface of the host, so anyone who can
+reach the machine can read, write and delete the job's keys (and so stop or
+derail it). When the store's address is a loopback address the job is
+single-node by construction, and the store is handed a socket bound to
+127.0.0.1 instead (TCPStore's ``master_listen_fd``): nothing off the machine
+can connect. Multi-node jobs still listen on every interface; see the
+README's security section.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as tdist
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def host_tcp_store(host: str, port: int, world_size: int | None, timeout: timedelta, **options: Any) -> tdist.TCPStore:
+    """A hosting TCPStore at ``host:port`` (``port`` 0: any free port), loopback-only for a loopback ``host``."""
+    if host not in LOOPBACK:
+        return tdist.TCPStore(host, port, world_size, True, timeout, **options)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(4096)
+        bound = listener.getsockname()[1]
+        # the store takes the socket over (and closes it with itself)
+        store = tdist.TCPStore("127.0.0.1", bound, world_size, True, timeout, master_listen_fd=listener.detach(), **options)
+    except BaseException:
+        listener.close()
+        raise
+    return store

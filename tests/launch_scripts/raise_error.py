@@ -1,4 +1,4 @@
-"""Rank 0 raises a Python error: the agent's summary must show its traceback."""
+"""Rank 0 raises a Python error: its traceback reaches the terminal once and the agent points at it."""
 
 import os
 

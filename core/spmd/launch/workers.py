@@ -80,9 +80,9 @@ class Failure:
         """Who failed and how; its last output too unless ``node_rank``'s terminal showed it already."""
         lines = [f"rank {self.rank} (local rank {self.local_rank}) on node {self.node_rank} ({self.host}) {self.how}"]
         if not self.detail.strip():
-            lines[0] += " (no traceback in its output)"
+            lines.append("  (no traceback in its output)")
         elif self.on_console and node_rank == self.node_rank:
-            lines[0] += "; its error is printed above"
+            lines.append("  its error is printed above (once)")
         else:
             lines.append("  its last output:")
             lines += [f"    {line}" for line in self.detail.rstrip().splitlines()]

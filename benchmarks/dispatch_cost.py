@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     _register_noop()
-    spmd.init("noop", rank=0, world_size=1, store=tdist.HashStore())
+    spmd.init("noop", rank=0, world_size=1, store=tdist.HashStore(), torch_interop=False)  # torch gets its own fake group
     tdist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     try:
         print(f"CPU time per call, median of {args.rounds} alternating blocks of {args.calls} calls "

@@ -223,6 +223,10 @@ class Work:
             error = timeout_error(self.description, limit)
             if self._entry is not None:
                 self._entry.finish(error)
+            if timeout is None and self._group is not None:
+                # The op's own deadline passed: its group is out of step. A shorter timeout the
+                # caller gave this wait only ends the wait: the op may still finish, wait again.
+                self._mark_group(error)
             raise self._explain(error)
         if self._error is not None:
             raise self._explain(self._error)
@@ -240,8 +244,6 @@ class Work:
 
     def _explain(self, error: BaseException) -> BaseException:
         """The error to raise: the kernel's diagnosis of it when it has one (computed once)."""
-        if self._group is not None:
-            self._mark_group(error)
         if self._explained is None:
             if self._on_error is not None:
                 self._explained = self._on_error(error)

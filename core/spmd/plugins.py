@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import pluggy
 
@@ -265,6 +265,38 @@ def manager() -> PluginManager:
             if _manager is None:
                 _manager = _load_all()
     return _manager
+
+
+T = TypeVar("T")
+
+
+class HookTable(Generic[T]):
+    """What ``build(pm)`` makes of the plugins' hook results, built once per set of plugins.
+
+    The registries of strategies, schedules, storages and sharding rules each
+    keep one: it is rebuilt when the plugin manager was reset or a plugin was
+    registered at runtime (``pm.register``), and read without a lock otherwise.
+    """
+
+    def __init__(self, build: Callable[[PluginManager], T]) -> None:
+        self._build = build
+        self._cache: tuple[tuple[object, int], T] | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> T:
+        pm = manager()
+        key = (pm, len(pm.get_plugins()))
+        cached = self._cache
+        if cached is None or cached[0] != key:
+            with self._lock:
+                cached = self._cache
+                if cached is None or cached[0] != key:
+                    cached = self._cache = (key, self._build(pm))
+        return cached[1]
+
+    def reset(self) -> None:
+        with self._lock:
+            self._cache = None
 
 
 def reset() -> None:

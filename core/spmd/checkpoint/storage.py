@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from spmd.errors import PluginConflictError, SpmdError
+from spmd.plugins import HookTable
 
 #: A scheme that serves every URL whose scheme no other spec names (the fsspec plugin's).
 ANY_SCHEME = "*"
@@ -116,29 +116,17 @@ def _collect(pm: Any) -> dict[str, RegisteredStorage]:
     return entries
 
 
-_cache: tuple[object, dict[str, RegisteredStorage]] | None = None
-_lock = threading.Lock()
+_table = HookTable(_collect)
 
 
 def storages() -> dict[str, RegisteredStorage]:
-    """Every registered storage by scheme (rebuilt when the plugin manager was reset)."""
-    global _cache
-    from spmd.plugins import manager
-
-    pm = manager()
-    cached = _cache
-    if cached is None or cached[0] is not pm:
-        with _lock:
-            cached = (pm, _collect(pm))
-            _cache = cached
-    return cached[1]
+    """Every registered storage by scheme (rebuilt when the plugins change)."""
+    return _table.get()
 
 
 def reset() -> None:
     """Forget the collected schemes (after registering a storage plugin at runtime)."""
-    global _cache
-    with _lock:
-        _cache = None
+    _table.reset()
 
 
 def scheme_of(url: str) -> str:

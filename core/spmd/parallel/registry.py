@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from spmd.errors import PluginConflictError, SpmdError
+from spmd.plugins import HookTable
 
 
 @dataclass(frozen=True)
@@ -54,24 +54,12 @@ def _collect(pm: Any) -> dict[str, RegisteredStrategy]:
     return entries
 
 
-_cache: tuple[object, dict[str, RegisteredStrategy]] | None = None
-_lock = threading.Lock()
+_table = HookTable(_collect)
 
 
 def strategies() -> dict[str, RegisteredStrategy]:
-    """Every registered strategy by name (rebuilt only when the plugin manager was reset)."""
-    global _cache
-    from spmd.plugins import manager
-
-    pm = manager()
-    cached = _cache
-    if cached is None or cached[0] is not pm:
-        with _lock:
-            cached = _cache
-            if cached is None or cached[0] is not pm:
-                cached = (pm, _collect(pm))
-                _cache = cached
-    return cached[1]
+    """Every registered strategy by name (rebuilt when the plugins change)."""
+    return _table.get()
 
 
 def strategy_names() -> list[str]:

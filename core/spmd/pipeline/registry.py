@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any
 
 from spmd.errors import PluginConflictError, SpmdError
 from spmd.pipeline.actions import Action
 from spmd.pipeline.validate import validate
+from spmd.plugins import HookTable
 
 
 class ScheduleNotFoundError(SpmdError, LookupError):
@@ -40,25 +40,12 @@ def _collect(pm: Any) -> dict[str, tuple[type, str]]:
     return entries
 
 
-_cache: tuple[tuple[object, int], dict[str, tuple[type, str]]] | None = None
-_lock = threading.Lock()
+_table = HookTable(_collect)
 
 
 def schedules() -> dict[str, tuple[type, str]]:
     """Every registered schedule class and the plugin that provided it, by name."""
-    global _cache
-    from spmd.plugins import manager
-
-    pm = manager()
-    key = (pm, len(pm.get_plugins()))  # a plugin registered later (pm.register) is seen at the next lookup
-    cached = _cache
-    if cached is None or cached[0] != key:
-        with _lock:
-            cached = _cache
-            if cached is None or cached[0] != key:
-                cached = (key, _collect(pm))
-                _cache = cached
-    return cached[1]
+    return _table.get()
 
 
 def schedule_names() -> list[str]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
 from spmd.errors import PluginConflictError
+from spmd.plugins import HookTable
 
 
 def _collect(pm: Any) -> tuple[dict[Any, Any], dict[Any, str]]:
@@ -30,23 +30,11 @@ def _collect(pm: Any) -> tuple[dict[Any, Any], dict[Any, str]]:
     return rules, owners
 
 
-_cache: tuple[object, dict[Any, Any], dict[Any, str]] | None = None
-_lock = threading.Lock()
+_table = HookTable(_collect)
 
 
 def _tables() -> tuple[dict[Any, Any], dict[Any, str]]:
-    global _cache
-    from spmd.plugins import manager
-
-    pm = manager()
-    cached = _cache
-    if cached is None or cached[0] is not pm:
-        with _lock:
-            cached = _cache
-            if cached is None or cached[0] is not pm:
-                cached = (pm, *_collect(pm))
-                _cache = cached
-    return cached[1], cached[2]
+    return _table.get()
 
 
 _resolved: dict[Any, Any] = {}

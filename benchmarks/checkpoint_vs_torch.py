@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from spmd.bench.launch import relaunch_locally
+from spmd.bench.launch import run_as_ranks
 
 
 def timed(fn: Callable[[], Any], barrier: Callable[[], None]) -> float:
@@ -167,10 +166,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if "RANK" in os.environ:
-        worker(args)
-        return
-    sys.exit(relaunch_locally(args.world_size))
+    run_as_ranks(worker, args, args.world_size)
 
 
 if __name__ == "__main__":

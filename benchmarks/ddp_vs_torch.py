@@ -36,7 +36,6 @@ import json
 import os
 import pstats
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -45,7 +44,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from spmd.bench.launch import relaunch_locally
+from spmd.bench.launch import run_as_ranks
 
 
 def make_model(width: int, depth: int) -> nn.Module:
@@ -196,10 +195,7 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if "RANK" in os.environ:
-        worker(args)
-        return
-    sys.exit(relaunch_locally(args.world_size))
+    run_as_ranks(worker, args, args.world_size)
 
 
 if __name__ == "__main__":

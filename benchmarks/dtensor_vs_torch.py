@@ -18,16 +18,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
-import sys
 from collections.abc import Callable
 
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
 
-from spmd.bench.launch import relaunch_locally
+from spmd.bench.launch import run_as_ranks
 from spmd.bench.sides import alternate, finish_both, init_both, summary
 
 
@@ -115,10 +113,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="also a dispatch-bound size")
     parser.add_argument("--profile", action="store_true", help="cProfile 20 extra spmd steps on rank 0")
     args = parser.parse_args()
-    if "RANK" in os.environ:
-        worker(args)
-        return
-    sys.exit(relaunch_locally(args.world_size))
+    run_as_ranks(worker, args, args.world_size)
 
 
 if __name__ == "__main__":

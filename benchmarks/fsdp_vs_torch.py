@@ -32,7 +32,6 @@ import gc
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from spmd.bench.launch import relaunch_locally
+from spmd.bench.launch import run_as_ranks
 from spmd.bench.sides import finish_both, init_both
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -197,11 +196,8 @@ def main() -> None:
     parser.add_argument("--no-reshard", dest="reshard", action="store_false", help="reshard_after_forward=False")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if "RANK" in os.environ:
-        worker(args)
-        return
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # the ranks inherit it: freed tensors leave RSS at once
-    sys.exit(relaunch_locally(args.world_size))
+    run_as_ranks(worker, args, args.world_size)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -31,6 +29,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
+from spmd.bench.launch import run_as_ranks
 from spmd.bench.sides import finish_both, init_both
 
 
@@ -181,12 +180,7 @@ def main() -> None:
     parser.add_argument("--cost-reps", type=int, default=10)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if "RANK" in os.environ:
-        worker(args)
-        return
-    from spmd.bench.launch import relaunch_locally
-
-    sys.exit(relaunch_locally(args.world_size))
+    run_as_ranks(worker, args, args.world_size)
 
 
 if __name__ == "__main__":

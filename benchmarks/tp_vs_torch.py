@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +25,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from spmd.bench.launch import relaunch_locally
+from spmd.bench.launch import run_as_ranks
 from spmd.bench.sides import alternate, finish_both, init_both, summary
 
 
@@ -155,10 +153,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
-    if "RANK" in os.environ:
-        worker(args)
-        return
-    sys.exit(relaunch_locally(args.world_size))
+    run_as_ranks(worker, args, args.world_size)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from spmd.testing.ports import free_port
 
@@ -86,3 +87,12 @@ def relaunch_locally(world_size: int, *, argv: Sequence[str] | None = None, laun
     """
     args = [os.path.abspath(sys.argv[0]), *sys.argv[1:]] if argv is None else list(argv)
     return exit_status(launch_local([sys.executable, *args], world_size, launcher=launcher, env=env))
+
+
+def run_as_ranks(worker: Callable[[Any], object], args: Any, world_size: int) -> None:
+    """A side-by-side benchmark's entry: as a rank (``RANK`` set), run ``worker(args)``; otherwise start
+    ``world_size`` ranks of this script here and exit with the worst of their exit codes."""
+    if "RANK" in os.environ:
+        worker(args)
+        return
+    sys.exit(relaunch_locally(world_size))

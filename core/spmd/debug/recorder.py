@@ -84,10 +84,8 @@ class FlightRecorder:
         self.capacity = capacity
         self.entries: collections.deque[Entry] = collections.deque(maxlen=max(capacity, 1))
         self.enabled = capacity > 0
-        # group -> [last started seq, its op, last completed seq, its op]
+        # group -> [last started seq, its op, last completed seq, its op, the last started Entry]
         self.progress: dict[str, list[Any]] = {}
-        # group -> the last started entry (its signature is published with the progress)
-        self.last_started: dict[str, Entry] = {}
         # async (entry, work, monotonic deadline, timeout) for the watchdog to poll and age
         self.outstanding: list[tuple[Entry, Any, float | None, float | None]] = []
         self.lock = threading.Lock()
@@ -99,20 +97,15 @@ class FlightRecorder:
         if seq >= 0:
             progress = self.progress.get(group)
             if progress is None:
-                self.progress[group] = progress = [seq, op, -1, None]
+                self.progress[group] = progress = [seq, op, -1, None, entry]
             else:
-                progress[0], progress[1] = seq, op
+                progress[0], progress[1], progress[4] = seq, op, entry
             entry._progress = progress
-            self.last_started[group] = entry
         return entry
 
     def published_progress(self) -> dict[str, list[Any]]:
-        """``progress`` with each group's last started op's signature appended (for the store)."""
-        out = {}
-        for group, row in list(self.progress.items()):
-            entry = self.last_started.get(group)
-            out[group] = [*row, entry.signature() if entry is not None and entry.seq == row[0] else None]
-        return out
+        """``progress`` for the store: the last started Entry replaced by its signature."""
+        return {group: [*row[:4], row[4].signature()] for group, row in list(self.progress.items())}
 
     def watch(self, entry: Entry, work: Any, limit: float | None = None) -> None:
         """Remember an async op and its deadline (``limit`` seconds from now; None: none) for the watchdog."""

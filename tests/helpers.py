@@ -322,3 +322,24 @@ def mismatched_counts(timeout: float) -> list[str]:
             outcomes.append(f"{type(error).__name__}: {error}")
         time.sleep(timeout + 2.0)  # the peer's timeout, its announcement, and one watchdog step
     return outcomes
+
+
+def stale_and_fresh_announcements() -> dict[str, object]:
+    """An announcement left in the store by an earlier world is ignored; a fresh one is adopted."""
+    from spmd.debug import watchdog
+
+    dog = watchdog.current()
+    assert dog is not None
+    old, new = spmd.new_group([0, 1]), spmd.new_group([0, 1])
+    spmd.barrier()
+    if spmd.get_rank() == 0:
+        with dog.lock:
+            dog.client.set(watchdog.UNUSABLE_KEY.format(group=old.name), "1.0|rank 1 gave up on it: long ago")
+            dog.client.set(watchdog.UNUSABLE_KEY.format(group=new.name), f"{time.time():.6f}|rank 1 gave up on it: now")
+            dog.client.add(watchdog.UNUSABLE_COUNT, 1)
+    deadline = time.monotonic() + 10
+    while new.unusable is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t = torch.ones(2)
+    spmd.all_reduce(t, group=old)
+    return {"old": old.unusable, "old_sum": t.tolist(), "new": new.unusable}

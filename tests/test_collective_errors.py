@@ -207,3 +207,16 @@ def test_mismatched_element_counts_are_named_and_break_the_group_everywhere(spmd
         assert "all_reduce(float32; 1000) SUM" in message, message
     for outcomes in ranks:
         assert outcomes[-1].startswith("CollectiveError") and "cannot be used" in outcomes[-1], ranks
+
+
+def test_only_this_worlds_announcements_make_a_group_unusable(spmd_world):
+    """A store outlives a world (spmd run's agent store, a re-init): an old announcement under a reused
+    group name is ignored, a fresh one is adopted by every rank's watchdog."""
+    world = spmd_world(2, "gloo")
+    try:
+        results = world.run(helpers.stale_and_fresh_announcements, timeout=60)
+    finally:
+        world.kill()
+    for r in results:
+        assert r["old"] is None and r["old_sum"] == [2.0, 2.0], r
+        assert r["new"] == "rank 1 gave up on it: now", r

@@ -66,12 +66,15 @@ class Watchdog:
         self.lock = threading.Lock()  # one user of the client at a time: the thread or a diagnosis
         self.seen_requests = 0
         self.seen_unusable = 0
+        self.started_at = 0.0
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="spmd-watchdog", daemon=True)
 
     def start(self) -> None:
+        self.started_at = time.time()
         with self.lock:
             self.seen_requests = int(self.client.add(DUMP_COUNTER, 0))
+            self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 0))
         self.thread.start()
 
     def stop(self) -> None:
@@ -108,8 +111,8 @@ class Watchdog:
     # -- groups a rank gave up on ------------------------------------------------------------
     def announce_unusable(self, group: str, reason: str) -> None:
         """Tell the other ranks that this rank gave up on ``group`` (one set, one add)."""
-        with self.lock:
-            self.client.set(UNUSABLE_KEY.format(group=group), f"rank {self.rank} gave up on it: {reason}")
+        with self.lock:  # the time tells this world's announcements from an earlier world's on the same store
+            self.client.set(UNUSABLE_KEY.format(group=group), f"{time.time():.6f}|rank {self.rank} gave up on it: {reason}")
             self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 1))
 
     def adopt_unusable(self) -> None:
@@ -134,8 +137,11 @@ class Watchdog:
                 continue
             key = UNUSABLE_KEY.format(group=group.name)
             with self.lock:
-                reason = self.client.get(key).decode() if self.client.check([key]) else None
-            if reason is not None:
+                value = self.client.get(key).decode() if self.client.check([key]) else None
+            if value is None:
+                continue
+            announced, _, reason = value.partition("|")
+            if float(announced) >= self.started_at:  # not left over from an earlier world of that name
                 group.mark_unusable(reason, announce=False)
                 for work in recorder.take_group(group.name):
                     work._expire(group.refusal())

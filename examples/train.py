@@ -130,7 +130,7 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_across(parameters: list[torch.nn.Parameter], max_norm: float, group: spmd.ProcessGroup) -> None:
+def clip_across(parameters: list[torch.nn.Parameter], max_norm: float, group: spmd.ProcessGroup | None) -> None:
     """clip_grad_norm_ over a model whose gradients are spread over ``group`` (pipeline stages, FSDP shards)."""
     grads = [as_local(p.grad) for p in parameters if p.grad is not None]
     total = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
@@ -255,8 +255,8 @@ def main() -> None:
             fully_shard(model, mesh=mesh["dp"])
         stage = PipelineStage(model, stage_index, args.pp, "cpu", group=pp_group)
         schedule = get_schedule(args.schedule)(stage, args.microbatches, loss_fn=lm_loss)
-        # FSDP: the stages' gradients are also sharded over dp, so the norm sums over every rank
-        norm_group = spmd.new_group() if args.strategy == "fsdp" else pp_group
+        # FSDP: the stages' gradients are also sharded over dp, so the norm sums over every rank (the world)
+        norm_group = None if args.strategy == "fsdp" else pp_group
         clip = lambda params, max_norm: clip_across(list(params), max_norm, norm_group)  # noqa: E731
     elif mesh is not None:
         model = parallelize_module(CharGPT(cfg), mesh["tp"], TP_PLAN)

@@ -11,6 +11,7 @@ README's security section.
 
 from __future__ import annotations
 
+import os
 import socket
 from datetime import timedelta
 from typing import Any
@@ -24,15 +25,14 @@ def host_tcp_store(host: str, port: int, world_size: int | None, timeout: timede
     """A hosting TCPStore at ``host:port`` (``port`` 0: any free port), loopback-only for a loopback ``host``."""
     if host not in LOOPBACK:
         return tdist.TCPStore(host, port, world_size, True, timeout, **options)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", port))
         listener.listen(4096)
         bound = listener.getsockname()[1]
-        # the store takes the socket over (and closes it with itself)
-        store = tdist.TCPStore("127.0.0.1", bound, world_size, True, timeout, master_listen_fd=listener.detach(), **options)
+        fd = listener.detach()  # the store takes the socket over (and closes it with itself)
+    try:
+        return tdist.TCPStore("127.0.0.1", bound, world_size, True, timeout, master_listen_fd=fd, **options)
     except BaseException:
-        listener.close()
+        os.close(fd)
         raise
-    return store

@@ -239,7 +239,8 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
         # yet: an op can fail fast, before their first heartbeat. Serving the dump request
         # publishes their progress too, so it is read again afterwards.
         silent = [r for r, info in progress.items() if info is not None and time.time() - info["t"] > 3 * dog.interval + 1]
-        dog.await_dumps([r for r in group.ranks if r not in silent], request, time.monotonic() + min(1.5 * dog.interval + 0.2, 2.0))
+        # Two watchdog steps and a margin: a loaded host delays a step (the error already waited a whole timeout).
+        dog.await_dumps([r for r in group.ranks if r not in silent], request, time.monotonic() + min(2 * dog.interval + 0.5, 3.0))
         progress = dog.read_progress(list(group.ranks))
     except Exception:  # noqa: BLE001 - the store may be gone; the diagnosis stands on what was read
         pass

@@ -254,6 +254,27 @@ def foreach_adamw_step() -> dict[str, Any]:
     return results
 
 
+def in_place_keeps_placement() -> dict[str, Any]:
+    """An in-place op writes into its tensor's placement: a replicated parameter stepped with a
+    partial gradient stays replicated (the gradient is reduced), with a single-process check."""
+    mesh = spmd.init_device_mesh("cpu", (spmd.get_world_size(),))
+    rank, world = spmd.get_rank(), spmd.get_world_size()
+    torch.manual_seed(0)
+    plain = torch.randn(6)
+    parts = [torch.randn(6, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    param = spmd.distribute_tensor(plain.clone(), mesh, [Replicate()])
+    grad = spmd.DTensor.from_local(parts[rank], mesh, [Partial()])
+    param.add_(grad, alpha=-0.5)
+    sharded = spmd.distribute_tensor(plain.clone(), mesh, [Shard(0)])
+    sharded.mul_(spmd.distribute_tensor(torch.full((6,), 2.0), mesh, [Replicate()]))
+    return {
+        "placements": [str(p) for p in param.placements],
+        "values": torch.allclose(param.to_local(), plain - 0.5 * sum(parts), atol=1e-6),
+        "sharded": [str(p) for p in sharded.placements],
+        "sharded_values": torch.allclose(sharded.full_tensor(), plain * 2, atol=1e-6),
+    }
+
+
 def fallback_warns_once() -> dict[str, Any]:
     """An op without a rule (cumsum) is computed correctly, with one warning naming it."""
     mesh = spmd.init_device_mesh("cpu", (spmd.get_world_size(),))

@@ -56,6 +56,11 @@ def test_optimizer_steps_on_dtensor_parameters(spmd_world):
         assert r == {"True": True, "False": True}
 
 
+def test_in_place_ops_keep_the_written_tensors_placement(spmd_world):
+    for r in spmd_world(2, "gloo").run(h.in_place_keeps_placement, timeout=60):
+        assert r == {"placements": ["Replicate()"], "values": True, "sharded": ["Shard(dim=0)"], "sharded_values": True}
+
+
 def test_op_without_rule_falls_back_correctly_and_warns_once(spmd_world):
     for r in spmd_world(2, "gloo").run(h.fallback_warns_once, timeout=60):
         assert r["equal"] and r["placements"]

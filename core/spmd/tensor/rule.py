@@ -150,8 +150,11 @@ def _elementwise(call: OpCall, linear: bool) -> Sharding:
                     d = _aligned(other, out.ndim, out.shape, out_dim)
                     wanted.append(Shard(d) if d is not None else REPLICATE)
                 return Sharding(wanted, [Shard(out_dim)] * n_out)
-    # 2. partial sums pass through linear ops
+    # 2. partial sums pass through linear ops (in place only onto a partial ``self``: an op never turns
+    #    the tensor it writes partial, or an optimizer step would leave a replicated parameter partial)
     partials = [a.placement for a in inputs if isinstance(a.placement, Partial)]
+    if in_place and not isinstance(inputs[0].placement, Partial):
+        partials = []
     if linear and partials and partials[0].reduce_op == "sum":
         name = call.op.__name__.split(".")[0].rstrip("_")
         if name in _ADDITIVE:  # a replicated operand becomes a partial one locally (rank 0 keeps it)

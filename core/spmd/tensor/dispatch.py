@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from spmd import plugins
 from spmd.errors import SpmdError
 from spmd.mesh import DeviceMesh
 from spmd.tensor import debug, registry
@@ -48,9 +49,15 @@ class Plan:
     mutated: tuple[int, ...]  # DTensor-input indices the op writes to
     returns_self: bool  # an in-place op: return the mutated DTensor itself
     fallback: bool = False
+    #: Nothing to do but the local op and the wrap: the inputs already sit where the rule wants them.
+    direct: bool = False
 
 
 _cache: dict[Any, Plan] = {}
+#: Plans that need no redistribution, rewrite or mutation, keyed on positional arguments alone (the fast path).
+_direct: dict[Any, Plan] = {}
+#: The plugin manager the caches were filled under: a reload of the plugins (new rules) empties them.
+_cached_for: object = None
 _warned: set[str] = set()
 #: Ops taken over by an active context (``loss_parallel``): op -> fn(*args, **kwargs), checked before the rules.
 overrides: dict[Any, Any] = {}
@@ -104,12 +111,46 @@ def _unflatten(flat: list[Any], layout: list[Any]) -> tuple[tuple, dict]:
 # -- dispatch -----------------------------------------------------------------------------------------
 
 
+def _direct_key(func: Any, args: tuple) -> tuple | None:
+    """The direct path's key for positional ``args`` (DTensors and hashable non-tensors), else None."""
+    key: list[Any] = [func]
+    for a in args:
+        if type(a) is DTensor:
+            spec = a._spec
+            key.append(spec.key)
+            key.append(id(spec.mesh))  # (a plan holds its mesh: the id cannot pass to another mesh)
+        elif isinstance(a, (torch.Tensor, list, tuple)):
+            return None
+        else:
+            key.append(a)
+            key.append(type(a))  # 2 and 2.0 hash alike; their results' dtypes do not
+    try:
+        hash(tuple(key))
+    except TypeError:  # an unhashable argument
+        return None
+    return tuple(key)
+
+
 def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``)."""
+    """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``).
+
+    Most calls in a training step (positional DTensors and scalars, shards
+    already where the rule wants them) take the direct path: one key, one
+    lookup, the local op, the wrap.
+    """
     if overrides:
         override = overrides.get(func)
         if override is not None:
             return override(*args, **kwargs)
+    key = _direct_key(func, args) if not kwargs and _cached_for is plugins._manager else None
+    if key is not None:
+        plan = _direct.get(key)
+        if plan is not None:
+            return _wrap(func(*[a._local_tensor if type(a) is DTensor else a for a in args]), plan.out_specs)
+        out, plan = _dispatch_planned(func, args, kwargs, None)
+        if plan is not None and plan.direct:
+            _direct[key] = plan
+        return out
     return dispatch_by_rule(func, args, kwargs)
 
 
@@ -118,10 +159,20 @@ def dispatch_by_rule(func: torch._ops.OpOverload, args: tuple, kwargs: dict, rul
 
     A ``Decompose`` that handles only some layouts passes the rest on here with a plain rule.
     """
+    return _dispatch_planned(func, args, kwargs, rule)[0]
+
+
+def _dispatch_planned(func: torch._ops.OpOverload, args: tuple, kwargs: dict, rule: Any) -> tuple[Any, Plan | None]:
+    """``dispatch_by_rule``, also returning the plan it used (None: a decomposition or no meta kernel)."""
+    global _cached_for
+    if _cached_for is not plugins._manager:  # plugins (re)loaded: rules may have changed
+        _cache.clear()
+        _direct.clear()
+        _cached_for = plugins._manager
     if rule is None:
         rule = registry.lookup(func)
     if type(rule) is Decompose:
-        return rule.fn(*args, **kwargs)
+        return rule.fn(*args, **kwargs), None
     flat, layout = _flatten(args, kwargs)
     key: list[Any] = [func, tuple(layout)]
     positions: list[int] = []
@@ -145,6 +196,7 @@ def dispatch_by_rule(func: torch._ops.OpOverload, args: tuple, kwargs: dict, rul
             key.append((x.dtype, x.device.type))
         else:
             key.append(x)
+            key.append(type(x))
     assert mesh is not None
     key.append(mesh)
     try:
@@ -157,8 +209,8 @@ def dispatch_by_rule(func: torch._ops.OpOverload, args: tuple, kwargs: dict, rul
         if hashed_key is not None and plan is not None:
             _cache[hashed_key] = plan
     if plan is None:  # no meta kernel: compute on the full tensors
-        return _run_unplanned(func, flat, layout, positions, mesh)
-    return _execute(func, plan, flat, layout, positions)
+        return _run_unplanned(func, flat, layout, positions, mesh), None
+    return _execute(func, plan, flat, layout, positions), plan
 
 
 def _execute(func: Any, plan: Plan, flat: list[Any], layout: list[Any], positions: list[int]) -> Any:
@@ -294,7 +346,8 @@ def _propagate(func: Any, rule: Any, flat: list[Any], layout: list[Any], positio
             tuple(local_shape_and_offset(s.shape, mesh, s.placements)[0] for s in out_specs),
             tuple(local_shape_and_offset(spec.shape, mesh, t)[0] for spec, t in zip(specs, targets)),
         )
-    return Plan(targets, out_specs, rewrite, info, mutated, returns_self)
+    direct = rewrite is None and not mutated and all(spec.placements == t for spec, t in zip(specs, targets))
+    return Plan(targets, out_specs, rewrite, info, mutated, returns_self, direct=direct)
 
 
 # -- the fallback: gather, compute, reshard ------------------------------------------------------------

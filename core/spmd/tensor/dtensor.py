@@ -23,6 +23,18 @@ from spmd.tensor.spec import (
     normalize_placements,
 )
 
+_dispatch: Any = None
+
+
+def _dispatcher() -> Any:
+    """``spmd.tensor.dispatch.dispatch`` (imported on first use: the dispatcher imports this module)."""
+    global _dispatch
+    if _dispatch is None:
+        from spmd.tensor.dispatch import dispatch
+
+        _dispatch = dispatch
+    return _dispatch
+
 
 class DTensor(torch.Tensor):
     """A distributed tensor: global shape and dtype, local data, mesh and placements."""
@@ -50,9 +62,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        from spmd.tensor.dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatcher()(func, args, kwargs or {})
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (

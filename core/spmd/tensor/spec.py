@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from spmd.mesh import DeviceMesh
 from spmd.tensor.placements import Placement, Replicate, Shard, chunk_offset, chunk_sizes
+
+#: Every (placements, shape, stride, dtype) seen, numbered: as many entries as distinct layouts in the job.
+_LAYOUT_KEYS: dict[tuple, int] = {}
+_LAYOUT_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -19,11 +24,17 @@ class DTensorSpec:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    #: (mesh, placements, shape, stride, dtype) for cache keys, computed once.
-    key: tuple = field(init=False, repr=False, compare=False)
+    #: (placements, shape, stride, dtype) as a small int, for the dispatcher's cache keys: computed once
+    #: per spec, and cheap to hash (a tuple of placements re-hashes each placement in Python every time).
+    key: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", (self.placements, self.shape, self.stride, self.dtype))
+        layout = (self.placements, self.shape, self.stride, self.dtype)
+        key = _LAYOUT_KEYS.get(layout)
+        if key is None:
+            with _LAYOUT_LOCK:  # two threads must never number two layouts alike
+                key = _LAYOUT_KEYS.setdefault(layout, len(_LAYOUT_KEYS))
+        object.__setattr__(self, "key", key)
 
     @property
     def ndim(self) -> int:

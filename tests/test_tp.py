@@ -27,6 +27,13 @@ def test_transformer_block_with_split_heads_and_sequence_parallel_norms(spmd_wor
         # one all-gather and one reduce-scatter per sub-layer and direction, no all-reduce
         assert r["forward"] == {"all_gather": 2, "reduce_scatter": 2}, r["forward"]
         assert r["backward"] == {"all_gather": 2, "reduce_scatter": 2}, r["backward"]  # the adjoints
+        # the norms' replicated parameters get partial gradients (sums over each rank's part of the
+        # sequence), reduced once by the optimizer step (the row-parallel biases are added before the
+        # reduce-scatter, so their gradients arrive whole)
+        assert r["partial_grads"] == ["norm1.bias", "norm1.weight", "norm2.bias", "norm2.weight"]
+        assert r["step"] == {"all_reduce": len(r["partial_grads"])}, r["step"]
+        assert r["second_forward"] == r["forward"], r["second_forward"]
+        assert all(r["placements_after_step"][n] == ["Replicate()"] for n in r["partial_grads"]), r["placements_after_step"]
 
 
 def test_vocabulary_parallel_embedding_and_loss_parallel(spmd_world):

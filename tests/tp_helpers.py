@@ -124,12 +124,22 @@ def sequence_parallel_block() -> dict[str, Any]:
         loss.backward()
     ref_out = ref(x)
     ref_out.pow(2).sum().backward()
+    grads = _grads_match(model, ref)
+    partial_grads = sorted(n for n, p in model.named_parameters() if any(pl.is_partial() for pl in p.grad.placements))
+    with CommDebugMode() as step:  # a partial gradient is reduced into its replicated parameter, which stays replicated
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with CommDebugMode() as second_forward:
+        model(xd)
     return {
         "out_placements": [str(p) for p in out.placements],
         "output": float((out.full_tensor() - ref_out).abs().max()),
-        "grads": _grads_match(model, ref),
+        "grads": grads,
         "forward": forward.get_comm_counts(),
         "backward": backward.get_comm_counts(),
+        "partial_grads": partial_grads,
+        "step": step.get_comm_counts(),
+        "second_forward": second_forward.get_comm_counts(),
+        "placements_after_step": {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters()},
     }
 
 

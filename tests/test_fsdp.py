@@ -31,6 +31,12 @@ def test_adamw_steps_match_single_process_reference(spmd_world, world):
     _check(spmd_world(world, "gloo").run(h.train_against_reference, (world,), timeout=300), world=world)
 
 
+def test_on_a_backend_with_a_true_reduce_scatter(spmd_world):
+    """Gloo's reduce-scatter all-reduces an input copy, so FSDP all-reduces its scratch buffer in place
+    there; the isend/irecv-only example backend takes the reduce_scatter_tensor path instead."""
+    _check(spmd_world(2, "p2p").run(h.train_against_reference, (2,), timeout=300))
+
+
 def test_without_reshard_after_forward(spmd_world):
     _check(spmd_world(2, "gloo").run(h.train_against_reference, (2,), reshard_after_forward=False, timeout=300))
 

@@ -180,6 +180,10 @@ class Backend(abc.ABC):
     #: Whether ``all_reduce``/``reduce``/``reduce_scatter_tensor`` accept ``ReduceOp.AVG``. A
     #: backend that sets False receives SUM and the kernel divides afterwards.
     supports_avg: bool = True
+    #: Whether ``reduce_scatter_tensor`` works by all-reducing a copy of its input (Gloo's does):
+    #: a caller whose input is scratch may all-reduce it in place instead and keep its own rank's
+    #: block, which moves the same bytes without the copy and the separate output in flight.
+    reduce_scatter_copies_input: bool = False
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx

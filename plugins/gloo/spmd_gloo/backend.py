@@ -176,6 +176,7 @@ class GlooBackend(Backend):
     """torch's ProcessGroupGloo for one spmd group."""
 
     supports_avg = False  # Gloo has no AVG; the kernel sums and divides
+    reduce_scatter_copies_input = True  # c10d Gloo's reduce-scatter is an all-reduce of an input copy
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)

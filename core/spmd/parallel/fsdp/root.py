@@ -122,17 +122,20 @@ class FSDPRoot:
         # (issued one unit ago: usually finished by now) before this reduction allocates its own.
         if unit is not self.root:
             unit.reshard()
-        done, self._pending = self._pending, []
-        for earlier in done:
-            earlier.unit.finish_reduce(earlier)
+        self._finish_pending()
         pending = unit.reduce_gradients(grads)
         if pending is not None:
             self._pending.append(pending)
 
+    def _finish_pending(self) -> None:
+        """Finish the reductions in flight; their buffers are freed when this returns (before the next is allocated)."""
+        pending, self._pending = self._pending, []
+        for earlier in pending:
+            earlier.unit.finish_reduce(earlier)
+
     def _finish_backward(self) -> None:
         try:
-            for pending in self._pending:
-                pending.unit.finish_reduce(pending)
+            self._finish_pending()
         finally:
             self._pending = []
             self._callback_queued = False

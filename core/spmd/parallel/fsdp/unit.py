@@ -14,7 +14,9 @@ the module sees the tensor-parallel DTensor again (2-D: TP inside, FSDP outside)
 Unsharding is one ``all_gather_into_tensor`` of the whole unit and one copy
 into the parameter-major unsharded buffer; the gradient reduction is one
 ``reduce_scatter_tensor`` (plus, with HSDP, one ``all_reduce`` over the
-replicate dimension).
+replicate dimension). On a backend whose reduce-scatter is an all-reduce of
+an input copy (Gloo), it is that all-reduce, on the unit's scratch input
+itself: the same bytes moved, a third of the memory in flight.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class PendingReduce:
 
     unit: FSDPUnit
     work: Work
-    out: torch.Tensor
+    out: torch.Tensor | None  # None: ``inp`` is all-reduced in place, this rank's block is the result
     inp: torch.Tensor
 
 
@@ -210,8 +212,14 @@ class FSDPUnit:
         self.layout.copy_in(full, inp)
         if self.dp_size > 1:
             inp.div_(self.dp_size)
-        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=inp.device)
         debug.record("reduce_scatter", inp.numel() * inp.element_size(), self.shard_group)
+        if self.shard_group.backend_for(inp, "reduce_scatter_tensor").reduce_scatter_copies_input:
+            # The backend would all-reduce a copy of ``inp`` anyway: all-reduce the scratch buffer itself,
+            # so only ``inp`` is in flight while the next unit's backward runs (not a copy and an output too).
+            work = collectives.all_reduce(inp, op=ReduceOp.SUM, group=self.shard_group, async_op=True)
+            assert work is not None
+            return PendingReduce(self, work, None, inp)
+        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=inp.device)
         work = collectives.reduce_scatter_tensor(out, inp, op=ReduceOp.SUM, group=self.shard_group, async_op=True)
         assert work is not None
         return PendingReduce(self, work, out, inp)
@@ -220,6 +228,8 @@ class FSDPUnit:
         """Wait for the reduce-scatter (and HSDP's all-reduce), then set or add the sharded ``.grad``s."""
         pending.work.wait()
         out = pending.out
+        if out is None:  # all-reduced in place: keep this rank's block, let the whole buffer go
+            out = pending.inp.view(self.world, self.layout.shard_numel)[self.rank].clone()
         if self.replicate_group is not None and self.replicate_group.size > 1:
             debug.record("all_reduce", out.numel() * out.element_size(), self.replicate_group)
             collectives.all_reduce(out, op=ReduceOp.SUM, group=self.replicate_group)

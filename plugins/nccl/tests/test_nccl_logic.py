@@ -235,7 +235,8 @@ def test_the_watcher_aborts_an_op_that_outlives_the_group_timeout(cuda: FakeCuda
     comm = make(comms, lib, timeout_s=0.3)
     work = all_reduce(comm)
     work.wait()  # a stream wait: nobody blocks on the CPU, the watcher still notices
-    assert eventually(lambda: comm.error is not None)
+    # the watcher sets the communicator's error, then fails its works: wait for the second
+    assert eventually(lambda: comm.error is not None and work.exception() is not None)
     assert isinstance(work.exception(), CollectiveTimeoutError)
     assert "spmd-nccl's watcher aborted the communicator" in str(work.exception())
     with pytest.raises(CollectiveTimeoutError):

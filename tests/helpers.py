@@ -324,6 +324,40 @@ def mismatched_counts(timeout: float) -> list[str]:
     return outcomes
 
 
+def silently_mismatched(kind: str, limit: float = 4.0) -> dict[str, object]:
+    """One all_reduce the ranks disagree on (``kind``: reduce_op, dtype or count) that the backend
+    completes without an error, then the same correct all_reduce every 50 ms until one raises or
+    ``limit`` seconds pass. Returns the mismatched op's outcome, every later outcome and the time
+    from the mismatched op to the first error."""
+    group = spmd.new_group([0, 1], timeout=5.0)
+    spmd.barrier(group=group)
+    rank = spmd.get_rank()
+    if kind == "reduce_op":
+        t, op = torch.ones(4), (spmd.ReduceOp.SUM, spmd.ReduceOp.MAX)[rank]
+    elif kind == "dtype":
+        t, op = (torch.ones(4), torch.ones(4, dtype=torch.int32))[rank], spmd.ReduceOp.SUM
+    else:
+        t, op = torch.ones((4, 1000)[rank]), spmd.ReduceOp.SUM
+    start = time.monotonic()
+    try:
+        spmd.all_reduce(t, op=op, group=group)
+        first = f"value {t[:4].tolist()}"
+    except spmd.SpmdError as error:
+        first = f"{type(error).__name__}: {error}"
+    later: list[str] = []
+    error_after = None
+    while time.monotonic() - start < limit:
+        time.sleep(0.05)
+        try:
+            spmd.all_reduce(torch.ones(4), group=group)
+            later.append("ok")
+        except spmd.SpmdError as error:
+            later.append(f"{type(error).__name__}: {error}")
+            error_after = time.monotonic() - start
+            break
+    return {"first": first, "later": later, "error_after": error_after}
+
+
 def stale_and_fresh_announcements() -> dict[str, object]:
     """An announcement left in the store by an earlier world is ignored; a fresh one is adopted."""
     from spmd.debug import watchdog
@@ -343,3 +377,4 @@ def stale_and_fresh_announcements() -> dict[str, object]:
     t = torch.ones(2)
     spmd.all_reduce(t, group=old)
     return {"old": old.unusable, "old_sum": t.tolist(), "new": new.unusable}
+

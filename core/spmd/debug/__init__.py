@@ -7,6 +7,7 @@ Environment switches (also ``spmd.init`` options where noted):
 ``SPMD_WATCHDOG=0``         no watchdog thread (no progress publishing, no dumps on request)
 ``SPMD_WATCHDOG_INTERVAL``  seconds between progress publications (default 1.0)
 ``SPMD_DESYNC_CHECK=1``     compare op, shapes, dtypes and reduce op across ranks before each collective
+``SPMD_HISTORY_CHECK=0``    no always-on mismatch check (the watchdog's comparison of recent calls, ``history.py``)
 """
 
 from spmd.debug.dump import dump, dump_format_version

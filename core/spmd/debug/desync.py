@@ -38,7 +38,8 @@ def refresh() -> None:
     on = _read_switch()
 
 
-def _signature(entry: Entry, root: int | None) -> str:
+def call_signature(entry: Entry, root: int | None = None) -> str:
+    """What every rank of the group must agree on for ``entry``'s op (shapes only where they must match)."""
     if entry.op in _SHAPES_MAY_DIFFER:
         dtypes = ",".join(str(d).removeprefix("torch.") for d in entry.dtypes)
         text = f"{entry.op}({dtypes})"
@@ -78,7 +79,7 @@ def check(
 
     store = get_state().store
     prefix = f"spmd/debug/desync/{group.name}/{entry.seq}/"
-    mine = _signature(entry, root)
+    mine = call_signature(entry, root)
     if splits is not None:
         mine += f" splits {','.join(map(str, splits[0]))}/{','.join(map(str, splits[1]))}"
     store.set(prefix + str(group.rank), mine)

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 STATES = ("scheduled", "started", "completed", "failed")
+#: Entries kept per group for the always-on mismatch check (the watchdog reads them every 0.2 s).
+HISTORY = 1024
 
 
 class Entry:
@@ -84,8 +86,11 @@ class FlightRecorder:
         self.capacity = capacity
         self.entries: collections.deque[Entry] = collections.deque(maxlen=max(capacity, 1))
         self.enabled = capacity > 0
-        # group -> [last started seq, its op, last completed seq, its op, the last started Entry]
+        # group -> [last started seq, its op, last completed seq, its op, the last started Entry,
+        #           the group's last HISTORY Entries (for the always-on mismatch check, spmd.debug.history)]
         self.progress: dict[str, list[Any]] = {}
+        #: Whether each group's recent Entries are kept for the mismatch check (``SPMD_HISTORY_CHECK``).
+        self.keep_history = os.environ.get("SPMD_HISTORY_CHECK", "1") not in ("", "0", "false")
         # async (entry, work, monotonic deadline, timeout) for the watchdog to poll and age
         self.outstanding: list[tuple[Entry, Any, float | None, float | None]] = []
         self.lock = threading.Lock()
@@ -97,11 +102,18 @@ class FlightRecorder:
         if seq >= 0:
             progress = self.progress.get(group)
             if progress is None:
-                self.progress[group] = progress = [seq, op, -1, None, entry]
+                self.progress[group] = progress = [seq, op, -1, None, entry, collections.deque(maxlen=HISTORY)]
             else:
                 progress[0], progress[1], progress[4] = seq, op, entry
+            if self.keep_history:
+                progress[5].append(entry)
             entry._progress = progress
         return entry
+
+    def history(self, group: str) -> list[Entry]:
+        """The group's most recent Entries (at most HISTORY), oldest first."""
+        row = self.progress.get(group)
+        return list(row[5]) if row is not None else []  # (one C-level copy: safe beside the appending thread)
 
     def published_progress(self) -> dict[str, list[Any]]:
         """``progress`` for the store: the last started Entry replaced by its signature."""

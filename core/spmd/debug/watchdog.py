@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as tdist
 
 from spmd.debug.dump import dump, trace_dir
+from spmd.debug.history import HistoryCheck
 from spmd.debug.recorder import Entry, recorder
 
 PROGRESS_KEY = "spmd/debug/progress/{rank}"
@@ -72,6 +73,7 @@ class Watchdog:
 
     def start(self) -> None:
         self.started_at = time.time()
+        self.history = HistoryCheck(self.client, self.lock, self.rank, self.started_at)
         with self.lock:
             self.seen_requests = int(self.client.add(DUMP_COUNTER, 0))
             self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 0))
@@ -87,6 +89,8 @@ class Watchdog:
             try:
                 expire_overdue()
                 self.adopt_unusable()
+                if recorder.keep_history:
+                    self.history.step(self._groups())
                 if time.monotonic() >= next_publish:
                     self.tick()
                     next_publish = time.monotonic() + self.interval
@@ -127,12 +131,7 @@ class Watchdog:
         if count == self.seen_unusable:
             return
         self.seen_unusable = count
-        from spmd.comm import state  # the debug package sits below comm
-
-        current = state._state
-        if current is None:
-            return
-        for group in [current.world, *current.groups.values()]:
+        for group in self._groups():
             if group.unusable is not None:
                 continue
             key = UNUSABLE_KEY.format(group=group.name)
@@ -145,6 +144,17 @@ class Watchdog:
                 group.mark_unusable(reason, announce=False)
                 for work in recorder.take_group(group.name):
                     work._expire(group.refusal())
+
+    @staticmethod
+    def _groups() -> list[Any]:
+        """The groups of the current world this rank belongs to (none before init or after destroy)."""
+        from spmd.comm import state  # the debug package sits below comm
+
+        current = state._state
+        if current is None:
+            return []
+        groups = {id(g): g for g in [current.world, *current.groups.values()]}  # (the world is in both)
+        return list(groups.values())
 
     # -- used from the waiting thread -------------------------------------------------------
     def request_dumps(self, reason: str) -> int:

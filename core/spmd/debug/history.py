@@ -1,0 +1,108 @@
+"""The always-on mismatch check: every rank compares each group's op history with a neighbour's.
+
+A collective whose ranks disagree (SUM on one, MAX on the other; float32
+against int32; 4 elements against 1000) often completes on every rank with a
+wrong value and no error. Desync mode (``SPMD_DESYNC_CHECK=1``) stops such a
+call before it runs, at a store round trip per op. This check costs the hot
+path one deque append per op: the flight recorder keeps each group's recent
+Entries, and every watchdog step (0.2 s) each rank publishes the signatures
+of the calls it made since its last step (op, dtypes, shapes where they must
+match, reduce op) and compares them, sequence number by sequence number,
+with those of the next rank of the group (a ring: any disagreement shows
+between some pair of neighbours). At the first difference the group is
+marked unusable with both calls named, the other ranks learn it through the
+watchdog's announcement, and the next op on the group raises on every rank.
+
+What it cannot do: stop the mismatched op itself (its result may be wrong),
+or the ops that complete in the watchdog step before the error is found; an
+op whose mismatch makes the backend abort the process (Gloo, buffers of
+different byte sizes) is beyond it. Desync mode is the strict check.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+from typing import Any
+
+from spmd.debug.desync import call_signature
+from spmd.debug.recorder import recorder
+
+HISTORY_KEY = "spmd/debug/history/{group}/{rank}"
+#: Calls per group in each published payload (each step publishes the newest ones).
+PUBLISHED = 256
+
+
+class HistoryCheck:
+    """One rank's side of the check; run by the watchdog thread (``step``) on the watchdog's store client."""
+
+    def __init__(self, client: Any, lock: threading.Lock, rank: int, started_at: float) -> None:
+        self.client = client
+        self.lock = lock
+        self.rank = rank
+        self.started_at = started_at
+        self.calls: dict[str, collections.deque[tuple[int, str]]] = {}  # group -> its newest (seq, signature)s
+        self.checked: dict[str, int] = {}  # group -> the highest seq compared with the neighbour
+
+    def step(self, groups: list[Any]) -> None:
+        """Publish each group's new calls and compare with the neighbour's (one set and one get per active group)."""
+        for group in groups:
+            if group.unusable is not None or group.size < 2:
+                continue
+            mine = self._record(group.name)
+            if mine is None:
+                continue
+            neighbour = group.ranks[(group.rank + 1) % group.size]
+            theirs = self._read(group.name, neighbour)
+            if theirs:
+                self._compare(group, neighbour, mine, theirs)
+
+    def _record(self, name: str) -> collections.deque[tuple[int, str]] | None:
+        """This rank's newest calls on ``name``, updated and published; None if it made none yet."""
+        calls = self.calls.get(name)
+        last = calls[-1][0] if calls else -1
+        new = [(e.seq, call_signature(e)) for e in recorder.history(name) if e.seq > last]
+        if calls is None:
+            if not new:
+                return None
+            calls = self.calls[name] = collections.deque(maxlen=PUBLISHED)
+        if new:
+            calls.extend(new)
+            payload = json.dumps({"t": time.time(), "calls": list(calls)})
+            with self.lock:
+                self.client.set(HISTORY_KEY.format(group=name, rank=self.rank), payload)
+        return calls
+
+    def _read(self, name: str, rank: int) -> dict[int, str]:
+        key = HISTORY_KEY.format(group=name, rank=rank)
+        with self.lock:
+            raw = self.client.get(key) if self.client.check([key]) else None
+        if raw is None:
+            return {}
+        payload = json.loads(raw)
+        if payload["t"] < self.started_at:  # left on a store that outlived an earlier world of this name
+            return {}
+        return {int(seq): signature for seq, signature in payload["calls"]}
+
+    def _compare(self, group: Any, neighbour: int, mine: collections.deque[tuple[int, str]], theirs: dict[int, str]) -> None:
+        done = self.checked.get(group.name, -1)
+        for seq, signature in list(mine):
+            if seq <= done or seq not in theirs:
+                continue
+            if theirs[seq] != signature:
+                self._break(group, seq, signature, neighbour, theirs[seq])
+                return
+        self.checked[group.name] = max(done, min(mine[-1][0], max(theirs)))
+
+    def _break(self, group: Any, seq: int, signature: str, neighbour: int, other: str) -> None:
+        reason = (
+            f"ranks disagree on collective #{seq} of group {group.name!r}: rank {self.rank} called {signature}, "
+            f"rank {neighbour} called {other} (found by the always-on mismatch check after the op ran, so its "
+            "result may be wrong on any rank; every rank must make the same collective calls in the same order "
+            "with matching dtypes and shapes; SPMD_DESYNC_CHECK=1 stops a mismatched call before it runs)"
+        )
+        group.mark_unusable(reason)
+        for work in recorder.take_group(group.name):
+            work._expire(group.refusal())

@@ -26,7 +26,11 @@ def explain_failure(group: ProcessGroup, entry: Entry, error: BaseException) -> 
         error = CollectiveError(f"{desc} failed in the backend: {type(error).__name__}: {error}")
     what = "timed out" if isinstance(error, CollectiveTimeoutError) else "failed"
     text = str(error) if str(error).startswith(desc) else f"{desc} {what}: {error}"
-    explained = type(error)(f"{text}{diagnose(group, entry, what)}")
+    meanwhile = ""
+    if group.unusable is not None and group.unusable not in text:
+        # another rank (or this rank's watchdog) gave up on the group while this op waited
+        meanwhile = f"\n  meanwhile the group was given up on: {group.unusable}"
+    explained = type(error)(f"{text}{meanwhile}{diagnose(group, entry, what)}")
     # The message already carries the original one: chaining it would print the error twice.
     explained.__cause__ = None
     explained.__suppress_context__ = True

@@ -13,7 +13,21 @@ import torch.distributed as tdist
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.registry import backends
 from spmd.comm.work import Timeout, seconds
+from spmd.debug.recorder import recorder
 from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
+
+_names_created: dict[str, int] = {}
+
+
+def forget_group_names() -> None:
+    """Start counting group names afresh (a new world)."""
+    _names_created.clear()
+
+
+def _unique_id(name: str) -> str:
+    """``name`` the first time this process creates a group of that name, then ``name@2``, ``name@3``..."""
+    count = _names_created[name] = _names_created.get(name, 0) + 1
+    return name if count == 1 else f"{name}@{count}"
 
 
 class ProcessGroup:
@@ -37,6 +51,9 @@ class ProcessGroup:
         parent: ProcessGroup | None = None,
     ) -> None:
         self.name = name
+        #: ``name``, made unique when a destroyed group's name is reused (``name@2``...): every rank
+        #: creates groups in the same order, so all agree on it. Store keys use it, never stale ones.
+        self.uid = _unique_id(name)
         self.ranks = tuple(ranks)
         self.size = len(self.ranks)
         self.rank = self.ranks.index(global_rank)
@@ -46,7 +63,7 @@ class ProcessGroup:
         self.options = dict(options or {})
         self.parent = parent
         self._root_store = store
-        self.store = tdist.PrefixStore(f"spmd/{name}/", store)
+        self.store = tdist.PrefixStore(f"spmd/{self.uid}/", store)
         self._backends: dict[str, Backend] = {}
         #: The backends created so far, keyed by torch.device (filled by ``backend_for``; the
         #: collectives read it directly): ``tensor.device`` is a cheap key, while
@@ -112,7 +129,7 @@ class ProcessGroup:
             dog = watchdog.current()
             if dog is not None:
                 try:
-                    dog.announce_unusable(self.name, reason)
+                    dog.announce_unusable(self.uid, reason)
                 except Exception:  # noqa: BLE001 - the store may be gone; this rank refuses regardless
                     pass
 
@@ -245,6 +262,7 @@ class ProcessGroup:
         with self._lock:
             created, self._backends = self._backends, {}
             self.mark_unusable("it was destroyed (destroy_process_group); create a new group with new_group()", announce=False)
+        recorder.progress.pop(self.name, None)  # a new group may reuse the name: its ops start a new row
         for backend in created.values():
             backend.close()
 

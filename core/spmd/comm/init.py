@@ -16,7 +16,7 @@ import torch
 import torch.distributed as tdist
 
 from spmd.comm import state
-from spmd.comm.group import ProcessGroup
+from spmd.comm.group import ProcessGroup, forget_group_names
 from spmd.comm.registry import backends, parse_backend_string
 from spmd.comm.tcp_store import host_tcp_store
 from spmd.errors import BackendUnavailableError, SpmdError
@@ -188,6 +188,7 @@ def init_process_group(
     elif not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world size {world_size}: ranks are 0..{world_size - 1}")
 
+    forget_group_names()  # a new world numbers its groups' reused names afresh, as every rank does
     world = ProcessGroup(group_name, range(world_size), rank, store, timeout, backend_map, pg_options)
     state.set_state(state.WorldState(world=world, store=store, groups={group_name: world}))
     atexit.register(_close_at_exit)

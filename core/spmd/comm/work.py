@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
@@ -37,8 +36,6 @@ Timeout = float | timedelta | None
 
 #: Guards every Work's completion against concurrent callback registration (held for nanoseconds).
 _STATE_LOCK = threading.Lock()
-#: How often (seconds) a synchronous op's wait looks whether its group was given up on meanwhile.
-GROUP_CHECK_STEP = 0.2
 
 
 def seconds(timeout: Timeout) -> float | None:
@@ -222,11 +219,7 @@ class Work:
         for this Work (the group timeout). Returns True, like torch's Work.
         """
         limit = self.default_timeout if timeout is None else seconds(timeout)
-        if timeout is None and self._group is not None and (limit is None or limit > GROUP_CHECK_STEP):
-            finished = self._wait_watching_group(limit)
-        else:
-            finished = self._wait_native(limit)
-        if not finished:
+        if not self._wait_native(limit):
             error = timeout_error(self.description, limit)
             if self._entry is not None:
                 self._entry.finish(error)
@@ -238,29 +231,6 @@ class Work:
         if self._error is not None:
             raise self._explain(self._error)
         return True
-
-    def _wait_watching_group(self, limit: float | None) -> bool:
-        """``_wait_native(limit)`` in steps, raising the group's refusal as soon as the group turns unusable.
-
-        Another rank (or this rank's watchdog) may give up on the group while this
-        op waits: a peer that refused to enter the op would leave it waiting out its
-        whole timeout. An op that finishes within the first step costs one timed wait.
-        """
-        assert self._group is not None
-        group = self._group
-        deadline = None if limit is None else time.monotonic() + limit
-        while True:
-            step = GROUP_CHECK_STEP
-            if deadline is not None:
-                step = min(step, deadline - time.monotonic())
-                if step < 0.001:  # (a zero timeout means "none" to some native waits)
-                    return self._wait_native(0.001)
-            if self._wait_native(step):
-                return True
-            if group.unusable is not None:
-                refusal = group.refusal()
-                self._expire(refusal)  # aborts the native op where the backend can, fails every waiter
-                raise self._explain(refusal)  # with the diagnosis: who never arrived, who is past it
 
     def _mark_group(self, error: BaseException) -> None:
         """A failed or timed-out op leaves its group unusable: its ranks may be out of step."""

@@ -78,7 +78,7 @@ def check(
     from spmd.comm.state import get_state
 
     store = get_state().store
-    prefix = f"spmd/debug/desync/{group.name}/{entry.seq}/"
+    prefix = f"spmd/debug/desync/{group.uid}/{entry.seq}/"
     mine = call_signature(entry, root)
     if splits is not None:
         mine += f" splits {','.join(map(str, splits[0]))}/{','.join(map(str, splits[1]))}"
@@ -94,7 +94,7 @@ def check(
         ) from error
     calls = [store.get(key).decode() for key in keys]
     if entry.seq >= 2:
-        store.delete_key(f"spmd/debug/desync/{group.name}/{entry.seq - 2}/{group.rank}")
+        store.delete_key(f"spmd/debug/desync/{group.uid}/{entry.seq - 2}/{group.rank}")
     bare = {call.partition(" splits ")[0] for call in calls}
     split_problem = _split_mismatch(calls, group.ranks) if splits is not None and len(bare) == 1 else None
     if len(bare) > 1 or split_problem is not None:

@@ -43,40 +43,40 @@ class HistoryCheck:
         self.lock = lock
         self.rank = rank
         self.started_at = started_at
-        self.calls: dict[str, collections.deque[tuple[int, str]]] = {}  # group -> its newest (seq, signature)s
-        self.checked: dict[str, int] = {}  # group -> the highest seq compared with the neighbour
+        self.calls: dict[str, collections.deque[tuple[int, str]]] = {}  # group uid -> its newest (seq, signature)s
+        self.checked: dict[str, int] = {}  # group uid -> the highest seq compared with the neighbour
 
     def step(self, groups: list[Any]) -> None:
         """Publish each group's new calls and compare with the neighbour's (one set and one get per active group)."""
         for group in groups:
             if group.unusable is not None or group.size < 2:
                 continue
-            mine = self._record(group.name)
+            mine = self._record(group)
             if mine is None:
                 continue
             neighbour = group.ranks[(group.rank + 1) % group.size]
-            theirs = self._read(group.name, neighbour)
+            theirs = self._read(group.uid, neighbour)
             if theirs:
                 self._compare(group, neighbour, mine, theirs)
 
-    def _record(self, name: str) -> collections.deque[tuple[int, str]] | None:
-        """This rank's newest calls on ``name``, updated and published; None if it made none yet."""
-        calls = self.calls.get(name)
+    def _record(self, group: Any) -> collections.deque[tuple[int, str]] | None:
+        """This rank's newest calls on ``group``, updated and published; None if it made none yet."""
+        calls = self.calls.get(group.uid)
         last = calls[-1][0] if calls else -1
-        new = [(e.seq, call_signature(e)) for e in recorder.history(name) if e.seq > last]
+        new = [(e.seq, call_signature(e)) for e in recorder.history(group.name) if e.seq > last]
         if calls is None:
             if not new:
                 return None
-            calls = self.calls[name] = collections.deque(maxlen=PUBLISHED)
+            calls = self.calls[group.uid] = collections.deque(maxlen=PUBLISHED)
         if new:
             calls.extend(new)
             payload = json.dumps({"t": time.time(), "calls": list(calls)})
             with self.lock:
-                self.client.set(HISTORY_KEY.format(group=name, rank=self.rank), payload)
+                self.client.set(HISTORY_KEY.format(group=group.uid, rank=self.rank), payload)
         return calls
 
-    def _read(self, name: str, rank: int) -> dict[int, str]:
-        key = HISTORY_KEY.format(group=name, rank=rank)
+    def _read(self, uid: str, rank: int) -> dict[int, str]:
+        key = HISTORY_KEY.format(group=uid, rank=rank)
         with self.lock:
             raw = self.client.get(key) if self.client.check([key]) else None
         if raw is None:
@@ -87,14 +87,14 @@ class HistoryCheck:
         return {int(seq): signature for seq, signature in payload["calls"]}
 
     def _compare(self, group: Any, neighbour: int, mine: collections.deque[tuple[int, str]], theirs: dict[int, str]) -> None:
-        done = self.checked.get(group.name, -1)
+        done = self.checked.get(group.uid, -1)
         for seq, signature in list(mine):
             if seq <= done or seq not in theirs:
                 continue
             if theirs[seq] != signature:
                 self._break(group, seq, signature, neighbour, theirs[seq])
                 return
-        self.checked[group.name] = max(done, min(mine[-1][0], max(theirs)))
+        self.checked[group.uid] = max(done, min(mine[-1][0], max(theirs)))
 
     def _break(self, group: Any, seq: int, signature: str, neighbour: int, other: str) -> None:
         reason = (

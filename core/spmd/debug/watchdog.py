@@ -134,7 +134,7 @@ class Watchdog:
         for group in self._groups():
             if group.unusable is not None:
                 continue
-            key = UNUSABLE_KEY.format(group=group.name)
+            key = UNUSABLE_KEY.format(group=group.uid)
             with self.lock:
                 value = self.client.get(key).decode() if self.client.check([key]) else None
             if value is None:

@@ -2,9 +2,10 @@
 
 One daemon thread per process, started by ``spmd.init``. Every 0.2 s it
 ages the outstanding async Works and fails those past their deadline
-(``expire_overdue``), waited on or not; every interval it writes
-this rank's per-group progress and a heartbeat to the store, and dumps the
-flight recorder when any rank asked for dumps. It uses its own store client,
+(``expire_overdue``), waited on or not, adopts the groups other ranks gave up
+on, runs the mismatch check (``spmd.debug.history``) and, when any rank asked
+for dumps, dumps the flight recorder; every interval it writes this rank's
+per-group progress and a heartbeat to the store. It uses its own store client,
 so a main thread blocked in the store never stalls it. ``diagnose`` runs in
 the waiting thread when a Work times out or fails: it reads every member's
 progress and names who never arrived, who diverged, and who looks dead.
@@ -91,12 +92,18 @@ class Watchdog:
                 self.adopt_unusable()
                 if recorder.keep_history:
                     self.history.step(self._groups())
-                if time.monotonic() >= next_publish:
+                if time.monotonic() >= next_publish or self._dump_requested():
                     self.tick()
                     next_publish = time.monotonic() + self.interval
             except Exception:  # noqa: BLE001 - the store may be gone at shutdown; never kill the job
                 if self.stopped.is_set():
                     return
+
+    def _dump_requested(self) -> bool:
+        """Whether a rank asked for dumps since this rank last served one (one store read per step):
+        a failing rank waits for its peers' dumps before it raises, and perhaps exits with the store."""
+        with self.lock:
+            return int(self.client.add(DUMP_COUNTER, 0)) > self.seen_requests
 
     def tick(self) -> None:
         """Publish this rank's progress and serve dump requests (forgetting finished async ops first)."""
@@ -249,8 +256,8 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
         # yet: an op can fail fast, before their first heartbeat. Serving the dump request
         # publishes their progress too, so it is read again afterwards.
         silent = [r for r, info in progress.items() if info is not None and time.time() - info["t"] > 3 * dog.interval + 1]
-        # Two watchdog steps and a margin: a loaded host delays a step (the error already waited a whole timeout).
-        dog.await_dumps([r for r in group.ranks if r not in silent], request, time.monotonic() + min(2 * dog.interval + 0.5, 3.0))
+        # Peers serve dump requests at every watchdog step (0.2 s): allow about five, fewer with a short interval.
+        dog.await_dumps([r for r in group.ranks if r not in silent], request, time.monotonic() + min(5 * DEADLINE_STEP, 1.5 * dog.interval + 0.2))
         progress = dog.read_progress(list(group.ranks))
     except Exception:  # noqa: BLE001 - the store may be gone; the diagnosis stands on what was read
         pass

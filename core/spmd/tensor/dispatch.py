@@ -112,7 +112,7 @@ def _unflatten(flat: list[Any], layout: list[Any]) -> tuple[tuple, dict]:
 
 
 def _direct_key(func: Any, args: tuple) -> tuple | None:
-    """The direct path's key for positional ``args`` (DTensors and hashable non-tensors), else None."""
+    """The direct path's key for positional ``args`` (DTensors and non-tensors), else None (a tensor or a list)."""
     key: list[Any] = [func]
     for a in args:
         if type(a) is DTensor:
@@ -124,10 +124,6 @@ def _direct_key(func: Any, args: tuple) -> tuple | None:
         else:
             key.append(a)
             key.append(type(a))  # 2 and 2.0 hash alike; their results' dtypes do not
-    try:
-        hash(tuple(key))
-    except TypeError:  # an unhashable argument
-        return None
     return tuple(key)
 
 
@@ -144,7 +140,10 @@ def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
             return override(*args, **kwargs)
     key = _direct_key(func, args) if not kwargs and _cached_for is plugins._manager else None
     if key is not None:
-        plan = _direct.get(key)
+        try:
+            plan = _direct.get(key)  # hashes the key once
+        except TypeError:  # an unhashable argument: the general path
+            return dispatch_by_rule(func, args, kwargs)
         if plan is not None:
             return _wrap(func(*[a._local_tensor if type(a) is DTensor else a for a in args]), plan.out_specs)
         out, plan = _dispatch_planned(func, args, kwargs, None)

@@ -133,6 +133,11 @@ class ProcessGroup:
                 except Exception:  # noqa: BLE001 - the store may be gone; this rank refuses regardless
                     pass
 
+    def fail_pending(self) -> None:
+        """Fail this group's unfinished async Works with its refusal (once another rank gave up on it)."""
+        for work in recorder.take_group(self.name):
+            work._expire(self.refusal())
+
     def refusal(self) -> CollectiveError:
         """The error every op on an unusable group raises."""
         return CollectiveError(f"group {self.name!r} (ranks {list(self.ranks)}) cannot be used: {self.unusable}")

@@ -104,5 +104,4 @@ class HistoryCheck:
             "with matching dtypes and shapes; SPMD_DESYNC_CHECK=1 stops a mismatched call before it runs)"
         )
         group.mark_unusable(reason)
-        for work in recorder.take_group(group.name):
-            work._expire(group.refusal())
+        group.fail_pending()

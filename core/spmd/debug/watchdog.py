@@ -149,8 +149,7 @@ class Watchdog:
             announced, _, reason = value.partition("|")
             if float(announced) >= self.started_at:  # not left over from an earlier world of that name
                 group.mark_unusable(reason, announce=False)
-                for work in recorder.take_group(group.name):
-                    work._expire(group.refusal())
+                group.fail_pending()
 
     @staticmethod
     def _groups() -> list[Any]:

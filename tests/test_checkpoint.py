@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import checkpoint_helpers as h
 import pytest
@@ -12,6 +19,8 @@ import torch
 
 import spmd.checkpoint as dcp
 from spmd.checkpoint.metadata import METADATA_FILE
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _files(root: str) -> list[str]:
@@ -169,12 +178,6 @@ def test_cli_inspect_consolidate_import_torch(saved_on_four, tmp_path, capsys):
 
 
 def _train(tmp_path, *extra: str) -> list[str]:
-    import pathlib
-    import socket
-    import subprocess
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parents[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -182,7 +185,7 @@ def _train(tmp_path, *extra: str) -> list[str]:
             "--log-every", "1", *extra]
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen([sys.executable, str(root / "examples" / "train.py"), *args],
+        subprocess.Popen([sys.executable, str(ROOT / "examples" / "train.py"), *args],
                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(2)
@@ -265,3 +268,64 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(spmd_world, tm
     assert state["step"] == 1 and torch.equal(state["x"], torch.arange(8.0))
     dcp.save(state, checkpoint_id=path)  # the next complete save removes the leftovers
     assert len([n for n in os.listdir(path) if n.startswith("data-")]) == 1
+
+
+def _children_with_rank(parent: int, rank: int) -> list[int]:
+    """Pids of ``parent``'s child processes whose environment says ``RANK=rank`` (the agent's workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if ppid == parent and f"RANK={rank}".encode() in environ:
+            found.append(int(entry))
+    return found
+
+
+def _spmd_run_train(tmp_path, ckpt: str, out: str, *extra: str, resume: bool = False) -> subprocess.Popen:
+    """examples/train.py under ``spmd run`` on 2 ranks, 60 steps, a checkpoint every 4."""
+    args = ["--d-model", "32", "--layers", "1", "--heads", "2", "--batch-size", "4", "--corpus-chars", "20000",
+            "--log-every", "1", "--steps", "60", "--save-every", "4", "--checkpoint-dir", ckpt, "--out", out]
+    args += ["--resume"] if resume else []
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.Popen([sys.executable, "-m", "spmd", "run", "--nproc-per-node", "2", *extra,
+                             str(ROOT / "examples" / "train.py"), *args],
+                            env={**env, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _step_losses(stdout: str) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in re.finditer(r"^step\s+(\d+)\s+loss (\S+)", stdout, re.M)}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the agent's workers through /proc (Linux)")
+def test_a_rank_killed_mid_run_restarts_and_resumes_from_the_last_checkpoint(tmp_path):
+    straight = _spmd_run_train(tmp_path, str(tmp_path / "a"), str(tmp_path / "straight.pt"))
+    ckpt = tmp_path / "b"
+    job = _spmd_run_train(tmp_path, str(ckpt), str(tmp_path / "resumed.pt"), "--max-restarts", "1", resume=True)
+    deadline = time.monotonic() + 240
+    while not (ckpt / "step-000004" / METADATA_FILE).exists():  # the first checkpoint is committed: kill rank 1
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.01)
+    victims = _children_with_rank(job.pid, 1)
+    assert len(victims) == 1, victims
+    os.kill(victims[0], signal.SIGKILL)
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err
+    assert "killed by signal SIGKILL; restarting the group (1/1)" in err
+    resumed_at = re.search(rf"resumed from {ckpt}/step-(\d+) at step (\d+)", out)
+    assert resumed_at is not None, out
+    start = int(resumed_at[2])
+    assert 4 <= start < 60, "the kill came after the run's end: the test did not test a resume"
+    straight_out, straight_err = straight.communicate(timeout=300)
+    assert straight.returncode == 0, straight_err
+    expected = _step_losses(straight_out)
+    after = _step_losses(out[resumed_at.end():])
+    assert sorted(after) == list(range(start, 60)) and all(after[s] == expected[s] for s in after)
+    resumed, uninterrupted = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "straight.pt")
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import spmd.checkpoint as dcp
+from spmd.checkpoint import cleanup
 from spmd.checkpoint.metadata import METADATA_FILE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -266,7 +267,8 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(spmd_world, tm
     state = {"x": torch.zeros(8), "y": torch.zeros(8), "step": 0}
     dcp.load(state, checkpoint_id=path)
     assert state["step"] == 1 and torch.equal(state["x"], torch.arange(8.0))
-    dcp.save(state, checkpoint_id=path)  # the next complete save removes the leftovers
+    dcp.save(state, checkpoint_id=path)  # the next complete save removes the leftovers (in the background)
+    cleanup.wait()
     assert len([n for n in os.listdir(path) if n.startswith("data-")]) == 1
 
 

@@ -5,7 +5,8 @@ dict, agrees on the plan with one exchange of small descriptions, and takes
 the tensors this rank writes (for ``async_save``: copies into staging
 buffers). ``execute`` writes this rank's safetensors file under a fresh data
 directory, exchanges the outcome, and rank 0 commits by replacing
-``metadata.json`` atomically, then removes the data of older saves.
+``metadata.json`` atomically, then hands the data of older saves to the
+background remover (``cleanup``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from spmd.checkpoint.cleanup import remove_later
 from spmd.checkpoint.flatten import json_value, leaves
 from spmd.checkpoint.metadata import (
     DATA_PREFIX,
@@ -142,9 +144,7 @@ def execute(job: SaveJob, ranks: Ranks, storage: Storage | None = None) -> Metad
         try:
             metadata = _metadata(job, outcomes)
             storage.write_atomic(METADATA_FILE, metadata.to_json())
-            for name in storage.listdir():
-                if name.startswith(DATA_PREFIX) and name != job.data_dir:
-                    storage.remove(name)
+            remove_later(storage, [n for n in storage.listdir() if n.startswith(DATA_PREFIX) and n != job.data_dir])
         except Exception as error:  # noqa: BLE001 - reported to every rank, then raised
             commit_error = f"rank 0 committing {METADATA_FILE}: {type(error).__name__}: {error}"
             _discard(storage, job.data_dir)

@@ -173,19 +173,39 @@ class Runtime:
             work.wait()
             self.recv_meta[(a.stage, a.microbatch)] = _decode(buf)
         for a in batch:
+            if a.kind in RECVS and (a.kind, a.stage, a.microbatch) not in self.pending:
+                self._post_recv(a)
+
+    def _post_recv(self, a: Action) -> None:
+        """Start one receive into a fresh buffer; ``_received`` waits for it."""
+        key = (a.stage, a.microbatch)
+        if a.kind == Kind.RECV_F:
+            shape, dtype = self.recv_meta[key]
+            buf = torch.empty(shape, dtype=dtype, device=self.stages[a.stage].device)
+            src, tag = (a.stage - 1) % self.world, self._tag(Action(a.stage - 1, a.microbatch, a.kind), False)
+        else:
+            out = self.outputs[key]
+            buf = torch.empty_like(out)
+            src, tag = (a.stage + 1) % self.world, self._tag(a, True)
+        with p2p_context(a.describe()):
+            self.pending[(a.kind, a.stage, a.microbatch)] = (irecv(buf, group=self.group, group_src=src, tag=tag), buf)
+
+    def _prefetch(self, start: int) -> None:
+        """Post the program's next receive after ``start`` early, if its buffer's shape is known by now.
+
+        The peer's matching send can then complete while this rank computes
+        (a Gloo send waits for the receiver to post), instead of only once this
+        rank reaches that receive. One receive ahead keeps 1F1B's bound on live
+        activations (at most one buffer more).
+        """
+        for a in self.program[start:]:
             if a.kind not in RECVS:
                 continue
             key = (a.stage, a.microbatch)
-            if a.kind == Kind.RECV_F:
-                shape, dtype = self.recv_meta[key]
-                buf = torch.empty(shape, dtype=dtype, device=self.stages[a.stage].device)
-                src, tag = (a.stage - 1) % self.world, self._tag(Action(a.stage - 1, a.microbatch, a.kind), False)
-            else:
-                out = self.outputs[key]
-                buf = torch.empty_like(out)
-                src, tag = (a.stage + 1) % self.world, self._tag(a, True)
-            with p2p_context(a.describe()):
-                self.pending[(a.kind, a.stage, a.microbatch)] = (irecv(buf, group=g, group_src=src, tag=tag), buf)
+            known = key in self.recv_meta if a.kind == Kind.RECV_F else key in self.outputs
+            if known and (a.kind, a.stage, a.microbatch) not in self.pending:
+                self._post_recv(a)
+            return
 
     def _received(self, kind: Kind, stage: int, mb: int) -> torch.Tensor | None:
         item = self.pending.pop((kind, stage, mb), None)
@@ -284,6 +304,7 @@ class Runtime:
                     while j < len(program) and (program[j].kind in SENDS or program[j].kind in RECVS):
                         j += 1
                     self._post(list(program[i:j]))
+                    self._prefetch(j)
                     i = j
                     continue
                 if a.kind == Kind.F:

@@ -6,9 +6,12 @@
 One model of 8 blocks (Linear, ReLU, Linear, ReLU) is cut into 4 stages (2
 blocks each; interleaved_1f1b: 8 stages of 1 block, 2 per rank). For each
 schedule the run first measures every stage's forward, backward, and split
-backward (B: input gradient, W: weight gradient) on one microbatch, gives
-those per-stage costs to ``spmd.pipeline.simulate`` for a predicted step
-time, then times real steps (the slowest rank's, median over rounds):
+backward (B: input gradient, W: weight gradient) on one microbatch, one rank
+at a time so that each has a core, gives those per-stage costs to
+``spmd.pipeline.simulate`` for a predicted step time (the simulator gives
+each rank a core; on a host with fewer cores than ranks the prediction is
+all compute / cores when that is longer), then times real steps (the
+slowest rank's, median over rounds):
 ``measured / predicted`` near 1.0 means the runtime adds little besides
 compute; above, transfers and Python overhead. Then spmd's 1F1B and torch's
 ``Schedule1F1B`` on identical copies of the stages alternate round by round;
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -73,6 +77,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.pipelining import Schedule1F1B
 
     m, batch, width = args.microbatches, args.batch, args.width
+    cores = len(os.sched_getaffinity(0))
     blocks = make_blocks(width, 2 * world)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
@@ -107,7 +112,11 @@ def worker(args: argparse.Namespace) -> None:
         per = 2 * world // n_stages
         pieces = [nn.Sequential(*blocks[i * per : (i + 1) * per]) for i in range(n_stages)]
         mine = list(range(rank, n_stages, world))
-        local = {s: stage_costs(pieces[s], mb_x, args.cost_reps) for s in mine}
+        local: dict[int, dict[str, float]] = {}
+        for r in range(world):  # one rank at a time: each measurement has a core to itself
+            tdist.barrier()
+            if r == rank:
+                local = {s: stage_costs(pieces[s], mb_x, args.cost_reps) for s in mine}
         gathered: list[Any] = [None] * world
         tdist.all_gather_object(gathered, local)
         costs = {s: c for d in gathered for s, c in d.items()}
@@ -120,14 +129,18 @@ def worker(args: argparse.Namespace) -> None:
                 return c["B_split"] if has_w else c["B"]
             return c.get(kind, 0.0) if kind in ("F", "W") else 0.0
 
-        predicted = simulate(cls.programs(n_stages, v, m), cost).makespan
+        programs = cls.programs(n_stages, v, m)
+        simulated = simulate(programs, cost).makespan
+        # The simulator gives every rank a core; with fewer cores than ranks no schedule beats all work / cores.
+        work = sum(cost(a) for program in programs.values() for a in program)
+        predicted = max(simulated, work / min(cores, world))
         stages = [PipelineStage(pieces[s], s, n_stages, "cpu") for s in mine]
         schedule = cls(stages if v > 1 else stages[0], m, loss_fn=F.mse_loss)
         zero = lambda pieces=pieces: [p.zero_grad(set_to_none=True) for p in pieces]  # noqa: E731
         times = run_rounds(make_step(schedule, 0 in mine, n_stages - 1 in mine), zero)
         measured = statistics.median(times)
-        rows.append({"schedule": name, "stages": n_stages, "measured_ms": measured * 1e3, "predicted_ms": predicted * 1e3,
-                     "ratio": measured / predicted})
+        rows.append({"schedule": name, "stages": n_stages, "measured_ms": measured * 1e3, "simulated_ms": simulated * 1e3,
+                     "predicted_ms": predicted * 1e3, "ratio": measured / predicted})
 
     # spmd 1F1B against torch Schedule1F1B, alternating rounds on identical stages.
     pieces = [nn.Sequential(*blocks[2 * i : 2 * i + 2]) for i in range(world)]
@@ -159,10 +172,13 @@ def worker(args: argparse.Namespace) -> None:
         if args.json:
             print(json.dumps({"schedules": rows, "1f1b_vs_torch": vs}))
         else:
-            print(f"{world} ranks, Gloo, width {width}, batch {batch}, {m} microbatches, median of {args.rounds} rounds")
-            print(f"{'schedule':<18}{'stages':>7}{'measured ms':>13}{'simulated ms':>14}{'measured/sim':>14}")
+            print(f"{world} ranks on {cores} cores, Gloo, width {width}, batch {batch}, {m} microbatches, "
+                  f"median of {args.rounds} rounds")
+            print(f"{'schedule':<18}{'stages':>7}{'measured ms':>13}{'simulated ms':>14}{'predicted ms':>14}{'measured/pred':>15}")
             for r in rows:
-                print(f"{r['schedule']:<18}{r['stages']:>7}{r['measured_ms']:>13.2f}{r['predicted_ms']:>14.2f}{r['ratio']:>14.2f}")
+                print(f"{r['schedule']:<18}{r['stages']:>7}{r['measured_ms']:>13.2f}{r['simulated_ms']:>14.2f}"
+                      f"{r['predicted_ms']:>14.2f}{r['ratio']:>15.2f}")
+            print("predicted: the simulated makespan, or all compute / cores when that is longer (fewer cores than ranks)")
             print(f"1F1B: spmd {vs['spmd_ms']:.2f} ms, torch Schedule1F1B {vs['torch_ms']:.2f} ms, "
                   f"spmd/torch {vs['ratio_of_medians']:.3f} (median paired ratio {vs['median_paired_ratio']:.3f})")
     finish_both()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -37,13 +38,13 @@ def p2p_context(label: str) -> Iterator[None]:
         _context.reset(token)
 
 
-def _describe(g: ProcessGroup, what: str, peer: int, tag: int) -> str:
-    context = _context.get()
+def _describe(g: ProcessGroup, what: str, peer: int, tag: int, context: str | None) -> str:
+    """The op's description for errors ("isend to rank 3 (tag 0) on group 'world' ..."); made only when needed."""
     if context is None:
-        return f"{what} rank {g.ranks[peer]} (tag {tag})"
+        return g.describe(f"{what} rank {g.ranks[peer]} (tag {tag})")
     verb = "waits in" if what.startswith("irecv") else "sends in"
     direction = "from" if what.startswith("irecv") else "to"
-    return f"rank {g.ranks[g.rank]} {verb} {context}, {direction} rank {g.ranks[peer]} (tag {tag})"
+    return g.describe(f"rank {g.ranks[g.rank]} {verb} {context}, {direction} rank {g.ranks[peer]} (tag {tag})")
 
 
 def _check_tag(tag: int, op: str) -> None:
@@ -58,19 +59,37 @@ def _peer(g: ProcessGroup, rank: int | None, group_rank: int | None, what: str, 
     return peer
 
 
+def _start(op: str, what: str, tensor: torch.Tensor, g: ProcessGroup, peer: int, tag: int, timeout: Timeout) -> Work:
+    """Submit one send or receive and hand it to ``complete`` as an async op; a non-contiguous
+    tensor travels through a contiguous stand-in (written back after a receive)."""
+    context = _context.get()
+    entry = recorder.start(g.name, -1, op, (tensor,), None, g.ranks[peer])
+    if context is not None:
+        entry.context = context
+    after = None
+    backend = g.backend_for(tensor)
+    if tensor.is_contiguous():  # the fast path: nothing staged, nothing to run afterwards
+        work = backend.isend(tensor, peer, tag) if op == "send" else backend.irecv(tensor, peer, tag)
+    else:
+        staged = Contiguous(tensor, copy_in=op == "send")
+        if op == "send":
+            work = backend.isend(staged.tensor, peer, tag)
+            after = sequence(*staging_steps(staged))
+        else:
+            work = backend.irecv(staged.tensor, peer, tag)
+            after = sequence(*staging_steps(staged, write_back=(staged,)))
+    result = complete(work, g, op, entry, True, after, timeout=timeout)
+    assert result is not None
+    result._describe = functools.partial(_describe, g, what, peer, tag, context)
+    return result
+
+
 def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None, *, timeout: Timeout = None) -> Work:
     """Start sending ``tensor`` to ``dst``; keep the tensor unchanged until the Work completes."""
     g = resolve_group(group)
     check_tensor(tensor, "tensor", "isend")
     _check_tag(tag, "isend")
-    peer = _peer(g, dst, group_dst, "dst", "isend")
-    staged = Contiguous(tensor)
-    entry = recorder.start(g.name, -1, "send", (tensor,), None, g.ranks[peer])
-    entry.context = _context.get()
-    work = g.backend_for(tensor).isend(staged.tensor, peer, tag)
-    result = complete(work, g, _describe(g, "isend to", peer, tag), entry, True, sequence(*staging_steps(staged)), timeout=timeout)
-    assert result is not None
-    return result
+    return _start("send", "isend to", tensor, g, _peer(g, dst, group_dst, "dst", "isend"), tag, timeout)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None, *, timeout: Timeout = None) -> Work:
@@ -80,15 +99,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | No
     _check_tag(tag, "irecv")
     if src is None and group_src is None:
         raise ValueError("irecv: receiving from any source is not supported; pass src= (the sender's rank)")
-    peer = _peer(g, src, group_src, "src", "irecv")
-    staged = Contiguous(tensor, copy_in=False)
-    entry = recorder.start(g.name, -1, "recv", (tensor,), None, g.ranks[peer])
-    entry.context = _context.get()
-    work = g.backend_for(tensor).irecv(staged.tensor, peer, tag)
-    after = sequence(*staging_steps(staged, write_back=(staged,)))
-    result = complete(work, g, _describe(g, "irecv from", peer, tag), entry, True, after, timeout=timeout)
-    assert result is not None
-    return result
+    return _start("recv", "irecv from", tensor, g, _peer(g, src, group_src, "src", "irecv"), tag, timeout)
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None, *, timeout: Timeout = None) -> None:

@@ -77,6 +77,8 @@ def test_json_rows_follow_the_formulas(tmp_path):
         # all_reduce 2(n-1)/n = 1, send/recv 1. Other world sizes: test_bandwidths_follow_nccl_tests.
         assert r["busbw_gbs"] == pytest.approx(r["algbw_gbs"] * {"all_reduce": 1.0, "sendrecv": 1.0}[r["op"]])
         assert r["ratio_vs_raw"] == pytest.approx(r["median_s"] / r["raw_median_s"])
+        assert r["after_work_median_s"] > 0  # the same op timed after a barrier and 1 ms idle
+    assert "after_work_median_s" in csv_path.read_text().splitlines()[0]
     assert csv_path.read_text().startswith("backend,op,bytes,world_size,median_s")
     assert "[gloo]" not in out.stderr  # --json is quiet
 

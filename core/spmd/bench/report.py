@@ -29,7 +29,10 @@ def enrich(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def tables(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> str:
-    """One table per op; a block of columns per backend; time relative to the first backend."""
+    """One table per op; a block of columns per backend; time relative to the first backend.
+
+    ``median`` is back to back; ``after work`` the median of calls made after a barrier and 1 ms idle.
+    """
     lines = []
     ops = list(dict.fromkeys(r["op"] for r in rows))
     index = {(r["backend"], r["op"], r["bytes"]): r for r in rows}
@@ -40,7 +43,7 @@ def tables(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> str:
         lines.append(f"\n{op}  ({world} ranks; busbw factor {bus_factor(op, world):.3g}; times in us, bandwidths in GB/s)")
         header = f"{'size':>9}"
         for i, b in enumerate(present):
-            header += f" | {b + ' median':>14} {'min':>8} {'max':>8} {'algbw':>7} {'busbw':>7}"
+            header += f" | {b + ' median':>14} {'min':>8} {'max':>8} {'algbw':>7} {'busbw':>7} {'after work':>10}"
             if i:
                 header += f" {'x ' + present[0]:>9}"
             if any("raw_median_s" in r for r in rows if r["backend"] == b):
@@ -52,9 +55,11 @@ def tables(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> str:
             for i, b in enumerate(present):
                 r = index.get((b, op, size))
                 if r is None:
-                    line += " | " + "-".rjust(14) + " " * 36
+                    line += " | " + "-".rjust(14) + " " * 47
                     continue
                 line += f" | {r['median_s'] * 1e6:14.1f} {r['min_s'] * 1e6:8.1f} {r['max_s'] * 1e6:8.1f} {r['algbw_gbs']:7.3f} {r['busbw_gbs']:7.3f}"
+                after = r.get("after_work_median_s")
+                line += f" {after * 1e6:10.1f}" if after is not None else " " * 11
                 if i:
                     line += f" {r['median_s'] / first['median_s']:9.3f}" if first else " " * 10
                 if "raw_median_s" in r:
@@ -65,7 +70,7 @@ def tables(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> str:
 
 def to_csv(rows: Sequence[dict[str, Any]]) -> str:
     buffer = io.StringIO()
-    fields = ["backend", "op", "bytes", "world_size", "median_s", "min_s", "max_s", "n", "algbw_gbs", "busbw_gbs", "raw_median_s", "ratio_vs_raw"]
+    fields = ["backend", "op", "bytes", "world_size", "median_s", "min_s", "max_s", "n", "algbw_gbs", "busbw_gbs", "after_work_median_s", "raw_median_s", "ratio_vs_raw"]
     writer = csv.DictWriter(buffer, fieldnames=fields, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)

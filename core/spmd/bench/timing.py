@@ -95,6 +95,24 @@ def time_interleaved(sides: Sequence[Callable[[], object]], iters: int, sync: Ca
     return logs
 
 
+#: The idle time before each call of the "after work" measurement: long enough that progress
+#: threads and polling loops have gone to sleep, as between a training step's collectives.
+AFTER_WORK_IDLE_S = 0.001
+
+
+def time_after_work(call: Callable[[], object], iters: int, sync: Callable[[], object], idle_s: float = AFTER_WORK_IDLE_S) -> list[float]:
+    """Per-call seconds of ``call`` made as a training loop makes it: after ``sync`` (a barrier, so
+    every rank starts together) and ``idle_s`` of other work, not right after the previous call."""
+    times = []
+    for _ in range(iters):
+        sync()
+        time.sleep(idle_s)
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def iterations_for(estimate_s: float, budget_s: float, lo: int = 5, hi: int = 400) -> int:
     """How many calls fit a time budget, given one warm call's duration."""
     return max(lo, min(hi, int(budget_s / max(estimate_s, 1e-6))))

@@ -13,7 +13,14 @@ import torch
 import spmd
 from spmd.bench.ops import spmd_ops
 from spmd.bench.report import human
-from spmd.bench.timing import PeerContext, iterations_for, summarize, time_interleaved
+from spmd.bench.timing import (
+    AFTER_WORK_IDLE_S,
+    PeerContext,
+    iterations_for,
+    summarize,
+    time_after_work,
+    time_interleaved,
+)
 
 
 def raw_peer(backend: str, ctx: PeerContext) -> dict[str, Callable[[int], Callable[[], object]]] | None:
@@ -34,7 +41,13 @@ def _agree_max(value: float) -> float:
 
 
 def run(backend: str, ops: list[str], sizes: list[int], budget_s: float, vs_raw: bool, progress: bool) -> list[dict[str, Any]]:
-    """Measure; every rank returns the same list (rank 0's medians)."""
+    """Measure; every rank returns the same list (rank 0's medians).
+
+    Each op and size is timed twice: back to back (alternating with the raw
+    peer, ``median_s``), and as a training loop calls it, after a barrier and
+    a millisecond of idle (``after_work_median_s``): a backend whose progress
+    engine sleeps between calls pays its wake-up only there.
+    """
     rank, world = spmd.get_rank(), spmd.get_world_size()
     ours_all = spmd_ops(world, rank)
     raw_all = None
@@ -60,9 +73,12 @@ def run(backend: str, ops: list[str], sizes: list[int], budget_s: float, vs_raw:
             start = spmd_time(ours)
             iters = iterations_for(_agree_max(start), budget_s / len(sides))
             logs = time_interleaved(sides, iters, sync=spmd.barrier)
+            after_iters = iterations_for(_agree_max(start) + AFTER_WORK_IDLE_S, budget_s / len(sides), lo=5, hi=100)
+            after = time_after_work(ours, after_iters, spmd.barrier)
             scale = 0.5 if op == "sendrecv" else 1.0  # ping-pong: report one direction
             row: dict[str, Any] = {"backend": backend, "op": op, "bytes": nbytes, "world_size": world}
             row.update({k: (v * scale if k != "n" else v) for k, v in summarize(logs[0]).items()})
+            row["after_work_median_s"] = summarize(after)["median_s"] * scale
             if raw is not None:
                 raw_stats = summarize(logs[1])
                 row["raw_median_s"] = raw_stats["median_s"] * scale

@@ -18,7 +18,7 @@ import torch.distributed as tdist
 from spmd.comm import state
 from spmd.comm.group import ProcessGroup, forget_group_names
 from spmd.comm.registry import backends, parse_backend_string
-from spmd.comm.tcp_store import host_tcp_store
+from spmd.comm.store_join import await_arrivals, check_resolvable, client_store, host_store
 from spmd.errors import BackendUnavailableError, SpmdError
 
 log = logging.getLogger("spmd")
@@ -104,12 +104,15 @@ def _make_store(init_method: str | None, rank: int, world_size: int, addr: str, 
     host = rank == 0 and not torchrun_store
     try:
         if host:
-            store = host_tcp_store(addr, port, world_size, timeout)
+            store = host_store(addr, port, timeout)
         else:
-            store = tdist.TCPStore(addr, port, world_size, False, timeout=timeout)
+            check_resolvable(addr, port, timeout)
+            store = client_store(addr, port, world_size, timeout)
         if torchrun_store:
             return tdist.PrefixStore(f"spmd/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
         return store
+    except SpmdError:
+        raise  # already says what went wrong
     except Exception as error:  # noqa: BLE001 - re-raised with what to check
         role = "host" if host else "reach"
         raise SpmdError(
@@ -183,6 +186,8 @@ def init_process_group(
         else:
             rank, world_size, addr, port = _resolve_world(init_method, rank, world_size)
         store = _make_store(init_method, rank, world_size, addr, port, timeout)
+        if world_size > 1:
+            await_arrivals(store, rank, world_size, timeout)  # names a rank that never came, on every rank
     elif rank < 0 or world_size < 0:
         raise ValueError("init_process_group(store=...) also needs rank= and world_size=")
     elif not 0 <= rank < world_size:

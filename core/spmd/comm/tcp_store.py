@@ -34,5 +34,8 @@ def host_tcp_store(host: str, port: int, world_size: int | None, timeout: timede
     try:
         return tdist.TCPStore("127.0.0.1", bound, world_size, True, timeout, master_listen_fd=fd, **options)
     except BaseException:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError:  # the store had taken the socket over and closed it already
+            pass
         raise

@@ -65,7 +65,7 @@ def test_an_unresolvable_master_addr_says_dns():
 
 def test_nothing_listening_says_the_store_was_not_reached():
     elapsed, error = _outcome(_start(1, 2, "127.0.0.1", _free_port()))
-    assert "rank 1 could not reach the rendezvous store" in error and "all 2 ranks were started" in error, error
+    assert "nothing listens at 127.0.0.1" in error and "rank 0, which hosts the job's store there, has not started" in error, error
     assert elapsed < TIMEOUT_S + 2 + 3, elapsed
 
 
@@ -101,3 +101,32 @@ def test_master_port_in_use_on_rank_0_is_named():
         holder.listen(1)
         elapsed, error = _outcome(_start(0, 2, "127.0.0.1", holder.getsockname()[1]))
     assert "could not host the rendezvous store" in error and "Address already in use" in error, error
+
+
+STORE_HOST_DIES = """
+import os, signal, sys, time
+import torch
+import spmd
+spmd.init("gloo")
+spmd.all_reduce(torch.ones(4))
+if spmd.get_rank() == 0:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)  # rank 0 hosts the job's store
+try:
+    spmd.all_reduce(torch.ones(4))
+except Exception as error:
+    print(f"ERROR {type(error).__name__}: {error}")
+    sys.exit(3)
+"""
+
+
+def test_the_store_hosts_death_is_named_as_rank_0():
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("SPMD_AGENT_STORE", "TORCHELASTIC_USE_AGENT_STORE")}
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "SPMD_TIMEOUT": "20", "OMP_NUM_THREADS": "1"})
+    procs = [subprocess.Popen([sys.executable, "-c", STORE_HOST_DIES], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    out, err = procs[1].communicate(timeout=120)
+    procs[0].communicate(timeout=60)
+    assert procs[0].returncode == -9 and procs[1].returncode == 3, (out, err)
+    assert "the job's store is unreachable" in out and f"it lives in rank 0's process (127.0.0.1:{port})" in out, out

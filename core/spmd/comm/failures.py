@@ -27,7 +27,8 @@ def explain_failure(group: ProcessGroup, entry: Entry, error: BaseException) -> 
     what = "timed out" if isinstance(error, CollectiveTimeoutError) else "failed"
     text = str(error) if str(error).startswith(desc) else f"{desc} {what}: {error}"
     meanwhile = ""
-    if group.unusable is not None and group.unusable not in text:
+    own = f"{entry.op} #{entry.seq} failed on this rank"
+    if group.unusable is not None and group.unusable not in text and not group.unusable.startswith(own):
         # another rank (or this rank's watchdog) gave up on the group while this op waited
         meanwhile = f"\n  meanwhile the group was given up on: {group.unusable}"
     explained = type(error)(f"{text}{meanwhile}{diagnose(group, entry, what)}")

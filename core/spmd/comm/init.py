@@ -176,6 +176,7 @@ def init_process_group(
     if joined is not None:
         torch_rank, torch_size, store = joined
         rank, world_size = (torch_rank if rank < 0 else rank), (torch_size if world_size < 0 else world_size)
+    store_host: str | None = None  # a store handed in (store=, torch's): its host is not known here
     if store is None:
         launcher_env = init_method is None and rank < 0 and world_size < 0
         from spmd.launch.environments import detect_launch
@@ -186,6 +187,7 @@ def init_process_group(
         else:
             rank, world_size, addr, port = _resolve_world(init_method, rank, world_size)
         store = _make_store(init_method, rank, world_size, addr, port, timeout)
+        store_host = _store_host(init_method, rank, addr, port)
         if world_size > 1:
             await_arrivals(store, rank, world_size, timeout)  # names a rank that never came, on every rank
     elif rank < 0 or world_size < 0:
@@ -197,20 +199,32 @@ def init_process_group(
     world = ProcessGroup(group_name, range(world_size), rank, store, timeout, backend_map, pg_options)
     state.set_state(state.WorldState(world=world, store=store, groups={group_name: world}))
     atexit.register(_close_at_exit)
-    _start_debugging(store, rank, trace_dir)
+    _start_debugging(store, rank, trace_dir, store_host)
     if joined is None and not tdist.is_initialized() and interop.interop_requested(torch_interop):
         interop.attach(world, store, timeout)
     return world
 
 
-def _start_debugging(store: tdist.Store, rank: int, trace_dir: str | os.PathLike | None) -> None:
+def _store_host(init_method: str | None, rank: int, addr: str, port: int) -> str | None:
+    """Who hosts the store ``_make_store`` joins, as errors name it when it is gone (None: not known)."""
+    agent = os.environ.get("SPMD_AGENT_STORE")
+    if agent and init_method in (None, "env://"):
+        return f"the `spmd run` agent's process ({agent})"
+    if (init_method or "").startswith("file://") or port == 0:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return f"torchrun's agent ({addr}:{port})"
+    return "this process (rank 0)" if rank == 0 else f"rank 0's process ({addr}:{port})"
+
+
+def _start_debugging(store: tdist.Store, rank: int, trace_dir: str | os.PathLike | None, store_host: str | None) -> None:
     """The watchdog thread, the trace directory, and SIGUSR1 as an on-demand dump."""
     from spmd.debug import desync, dump, watchdog
 
     desync.refresh()
     if trace_dir is not None:
         os.environ["SPMD_TRACE_DIR"] = str(trace_dir)
-    watchdog.start(store, rank)
+    watchdog.start(store, rank, store_host)
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
         if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
             signal.signal(signal.SIGUSR1, lambda signum, frame: dump("SIGUSR1"))

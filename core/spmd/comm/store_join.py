@@ -74,14 +74,31 @@ def check_resolvable(addr: str, port: int, timeout: timedelta, variable: str = "
 
 
 def client_store(addr: str, port: int, world_size: int | None, timeout: timedelta) -> tdist.TCPStore:
-    """A client of the store at ``addr:port``; a listener there that never answers is named within the timeout."""
-    if _probe(addr, port, timeout.total_seconds()) == "silent":
+    """A client of the store at ``addr:port``, or an error within the timeout that says what is there.
+
+    Waits (polling, as torch's client would) for something to listen, pings it
+    with a few bytes of TCPStore's protocol, and only then hands over to torch's
+    client, with what is left of the timeout.
+    """
+    seconds = timeout.total_seconds()
+    deadline = time.monotonic() + seconds
+    pause = 0.02
+    while (found := _probe(addr, port, max(deadline - time.monotonic(), 0.1))) == "absent":
+        if time.monotonic() >= deadline:
+            raise SpmdError(
+                f"nothing listens at {addr}:{port} after {seconds:.0f} s: rank 0, which hosts the job's store "
+                "there, has not started (or failed before it could), or MASTER_ADDR/MASTER_PORT point elsewhere"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+    if found == "silent":
         raise SpmdError(
-            f"connected to {addr}:{port}, but nothing answered there as a store within {timeout.total_seconds():.0f} s: "
-            "another program holds that port (a listener that accepts and never replies), or rank 0's machine is "
-            "stuck. Pick a free MASTER_PORT (`ss -ltnp` on rank 0's machine shows who listens)"
+            f"connected to {addr}:{port}, but nothing answered there as a store within {seconds:.0f} s: another "
+            "program holds that port (a listener that accepts and never replies), or rank 0's machine is stuck. "
+            "Pick a free MASTER_PORT (`ss -ltnp` on rank 0's machine shows who listens)"
         )
-    return tdist.TCPStore(addr, port, world_size, False, timeout=timeout)
+    left = timedelta(seconds=max(deadline - time.monotonic(), 1.0))
+    return tdist.TCPStore(addr, port, world_size, False, timeout=left)
 
 
 #: TCPStore's wire protocol (torch/csrc/distributed/c10d/TCPStoreBackend.hpp): a client opens with

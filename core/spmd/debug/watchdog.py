@@ -61,8 +61,12 @@ def _own_client(store: tdist.Store) -> tdist.Store:
 class Watchdog:
     """The per-process watchdog thread."""
 
-    def __init__(self, store: tdist.Store, rank: int, interval: float | None = None) -> None:
+    def __init__(self, store: tdist.Store, rank: int, interval: float | None = None, store_host: str | None = None) -> None:
         self.rank = rank
+        #: Who hosts the job's store ("rank 0's process (10.0.0.1:29500)"), for errors when it is gone.
+        self.store_host = store_host
+        #: Set (to the error's first line) once the store stopped answering: its host died or exited.
+        self.store_lost: str | None = None
         self.interval = interval if interval is not None else _interval()
         self.client = _own_client(store)
         self.lock = threading.Lock()  # one user of the client at a time: the thread or a diagnosis
@@ -89,15 +93,26 @@ class Watchdog:
         while not self.stopped.wait(step):
             try:
                 expire_overdue()
+                if self.store_lost is not None:
+                    continue  # every store call would fail (and torch would print a C++ warning for each)
                 self.adopt_unusable()
                 if recorder.keep_history:
                     self.history.step(self._groups())
                 if time.monotonic() >= next_publish or self._dump_requested():
                     self.tick()
                     next_publish = time.monotonic() + self.interval
-            except Exception:  # noqa: BLE001 - the store may be gone at shutdown; never kill the job
+            except Exception as error:  # noqa: BLE001 - the store may be gone at shutdown; never kill the job
                 if self.stopped.is_set():
                     return
+                if store_gone(error):
+                    self.store_lost = str(error).splitlines()[0] if str(error) else type(error).__name__
+
+    def store_lost_message(self, why: str) -> str:
+        """The diagnosis when the store no longer answers: who hosted it."""
+        if self.store_host is None:
+            return f" (the job's store is unreachable: {why}; no view of the other ranks)"
+        return (f"\n  the job's store is unreachable ({why}): it lives in {self.store_host}, which has most likely "
+                "died or exited; its own log says why")
 
     def _dump_requested(self) -> bool:
         """Whether a rank asked for dumps since this rank last served one (one store read per step):
@@ -198,12 +213,20 @@ class Watchdog:
 _watchdog: Watchdog | None = None
 
 
-def start(store: tdist.Store, rank: int) -> Watchdog | None:
-    """Start the process's watchdog (unless ``SPMD_WATCHDOG=0``)."""
+def store_gone(error: BaseException) -> bool:
+    """Whether a store call failed because its host no longer answers (not a timeout or a missing key)."""
+    if isinstance(error, tdist.DistNetworkError):
+        return True
+    text = str(error)
+    return any(sign in text for sign in ("Broken pipe", "Connection reset", "Connection refused", "Failed to recv"))
+
+
+def start(store: tdist.Store, rank: int, store_host: str | None = None) -> Watchdog | None:
+    """Start the process's watchdog (unless ``SPMD_WATCHDOG=0``); ``store_host`` says who hosts ``store``."""
     global _watchdog
     if os.environ.get("SPMD_WATCHDOG", "1") == "0":
         return None
-    _watchdog = Watchdog(store, rank)
+    _watchdog = Watchdog(store, rank, store_host=store_host)
     _watchdog.start()
     return _watchdog
 
@@ -244,11 +267,17 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
     dog = _watchdog
     if dog is None:
         return " (watchdog off: no view of the other ranks; set SPMD_WATCHDOG=1)"
+    if dog.store_lost is not None:
+        return dog.store_lost_message(dog.store_lost)
     try:
         dog.tick()  # peers stuck for a whole timeout have published their stuck state already
         progress = dog.read_progress(list(group.ranks))
     except Exception as error:  # noqa: BLE001 - a diagnosis must not hide the original error
-        return f" (could not read the other ranks' progress: {error})"
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if store_gone(error):
+            dog.store_lost = first
+            return dog.store_lost_message(first)
+        return f" (could not read the other ranks' progress: {first})"
     try:
         request = dog.request_dumps(f"{what}: {entry.op} on group {group.name!r} seq {entry.seq} (rank {dog.rank})")
         # Wait (bounded) for every rank not known dead, including ranks that have not published

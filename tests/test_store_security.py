@@ -80,3 +80,51 @@ def test_spmd_run_single_node_store_is_not_reachable_from_outside(tmp_path):
     assert out.returncode == 0, out.stderr
     line = next(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
     assert "refused" in line and "reachable" not in line.replace("refused", ""), line
+
+
+TOKEN_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as tdist
+    import spmd
+    from spmd.comm.tcp_store import job_scope
+
+    spmd.init("gloo")
+    outside, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    intruder = tdist.TCPStore(outside, port, None, False, timedelta(seconds=5))  # knows the job id, not the token
+    known = ["rdzv/job7//round", "spmd/job/job7/round0/spmd/arrived/0"]
+    seen = {key: intruder.check([key]) for key in known}
+    intruder.set("rdzv/job7//shutdown", "stopped by an intruder")  # what `spmd run`'s agents obey
+    time.sleep(1.0)  # a few of the agent's monitor intervals
+    spmd.all_reduce(torch.ones(1))
+    scoped = {key: job_scope(intruder, token).check([key]) for key in known} if token != "-" else {}
+    print("RESULT", seen, scoped, flush=True)
+    spmd.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.parametrize("token", ["s3cret", None])
+def test_a_job_token_hides_the_stores_keys_from_a_client_without_it(tmp_path, token):
+    outside = _outside_address()
+    with socket.socket() as s:
+        s.bind((outside, 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "intruder.py"
+    script.write_text(TOKEN_SCRIPT)
+    flags = ["--rdzv-token", token] if token else []
+    env = {k: v for k, v in os.environ.items() if k != "SPMD_RDZV_TOKEN"}
+    out = subprocess.run(
+        [sys.executable, "-m", "spmd", "run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", f"{outside}:{port}",
+         "--rdzv-id", "job7", *flags, str(script), outside, str(port), token or "-"],
+        capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"},
+    )
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT")), None)
+    if token:  # the intruder names no key, and its shutdown request is not the job's: it runs to the end
+        assert out.returncode == 0, out.stderr
+        assert line == "RESULT {'rdzv/job7//round': False, 'spmd/job/job7/round0/spmd/arrived/0': False} " \
+                       "{'rdzv/job7//round': True, 'spmd/job/job7/round0/spmd/arrived/0': True}", out.stdout
+    else:  # the control: without a token the same client reads the keys and stops the job
+        assert line is None or "'rdzv/job7//round': True" in line, out.stdout
+        assert out.returncode != 0 and "stopped by an intruder" in out.stderr, (out.stdout, out.stderr)

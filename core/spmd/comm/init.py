@@ -19,6 +19,7 @@ from spmd.comm import state
 from spmd.comm.group import ProcessGroup, forget_group_names
 from spmd.comm.registry import backends, parse_backend_string
 from spmd.comm.store_join import await_arrivals, check_resolvable, client_store, host_store
+from spmd.comm.tcp_store import job_scope
 from spmd.errors import BackendUnavailableError, SpmdError
 
 log = logging.getLogger("spmd")
@@ -85,7 +86,7 @@ def _agent_store(endpoint: str, timeout: timedelta) -> tdist.Store:
             f"could not reach the spmd run agent's store at {endpoint} (SPMD_AGENT_STORE) within "
             f"{timeout.total_seconds():.0f} s ({error}); is the agent still running?"
         ) from error
-    return tdist.PrefixStore(os.environ.get("SPMD_STORE_PREFIX", "spmd/job"), client)
+    return tdist.PrefixStore(os.environ.get("SPMD_STORE_PREFIX", "spmd/job"), job_scope(client))
 
 
 def _make_store(init_method: str | None, rank: int, world_size: int, addr: str, port: int, timeout: timedelta) -> tdist.Store:
@@ -110,7 +111,7 @@ def _make_store(init_method: str | None, rank: int, world_size: int, addr: str, 
             store = client_store(addr, port, world_size, timeout)
         if torchrun_store:
             return tdist.PrefixStore(f"spmd/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-        return store
+        return job_scope(store)  # SPMD_RDZV_TOKEN: the job's keys under the token's namespace
     except SpmdError:
         raise  # already says what went wrong
     except Exception as error:  # noqa: BLE001 - re-raised with what to check

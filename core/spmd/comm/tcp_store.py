@@ -11,6 +11,7 @@ README's security section.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from datetime import timedelta
@@ -19,6 +20,25 @@ from typing import Any
 import torch.distributed as tdist
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+#: The job token's environment variable (``spmd run --rdzv-token`` sets it for its workers).
+TOKEN_ENV = "SPMD_RDZV_TOKEN"
+
+
+def job_scope(store: tdist.Store, token: str | None = None) -> tdist.Store:
+    """``store`` seen under the job token's namespace, if there is a token (argument, else ``SPMD_RDZV_TOKEN``).
+
+    Every key of the job (rendezvous rounds, the shutdown request, ranks'
+    progress, dump requests) then lives under ``job-<sha256(token)>/``. TCPStore
+    cannot list its keys, so a client without the token cannot name one: it can
+    neither read the job's state nor write into it, nor stop the job. The
+    token hides the keys; it does not encrypt the traffic (see the README's
+    security section).
+    """
+    token = token if token is not None else os.environ.get(TOKEN_ENV)
+    if not token:
+        return store
+    return tdist.PrefixStore(f"job-{hashlib.sha256(token.encode()).hexdigest()}/", store)
 
 
 def host_tcp_store(host: str, port: int, world_size: int | None, timeout: timedelta, **options: Any) -> tdist.TCPStore:

@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+from spmd.comm.tcp_store import job_scope
 from spmd.errors import SpmdError
 from spmd.launch.args import RunConfig
 from spmd.launch.rendezvous import Rendezvous, connect_store, free_port, local_address_towards
@@ -60,7 +61,7 @@ class Agent:
             store, hosting = connect_store(endpoint, c.rdzv_timeout, host_it)
         host, _, port = endpoint.rpartition(":")
         me = local_address_towards(host, int(port)) if not c.standalone else "127.0.0.1"
-        rdzv = Rendezvous(store, c.rdzv_id, c.min_nodes, c.max_nodes, c.rdzv_timeout, c.last_call)
+        rdzv = Rendezvous(job_scope(store, c.rdzv_token), c.rdzv_id, c.min_nodes, c.max_nodes, c.rdzv_timeout, c.last_call)
         self._store = store  # keep the hosted server alive
         self._endpoint = endpoint
         return rdzv, hosting, me

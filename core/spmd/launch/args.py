@@ -31,6 +31,7 @@ class RunConfig:
     last_call: float
     stop_grace: float
     master_addr: str | None = None  # what workers get as MASTER_ADDR (default: node 0's address)
+    rdzv_token: str | None = None  # the job token: the store's keys live under a namespace derived from it
 
 
 def _nodes(text: str) -> tuple[int, int]:
@@ -121,6 +122,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--rdzv-id", "--rdzv_id", default="none", help="job id: agents with the same id form one job")
     add("--rdzv-timeout", type=float, default=300.0, help="seconds to wait for MIN nodes at each rendezvous")
     add("--last-call", type=float, default=2.0, help="seconds to wait for more nodes once MIN arrived (elastic)")
+    add("--rdzv-token", "--rdzv_token", default=None,
+        help="job token (default: $SPMD_RDZV_TOKEN): the same on every node; without it nobody can read, write or stop the job's store keys")
     add("--standalone", action="store_true", help="single node: host a private rendezvous on a free port")
     add("--max-restarts", "--max_restarts", type=int, default=0, help="restarts of the whole group after a failure")
     add("--monitor-interval", "--monitor_interval", type=float, default=0.1, help="seconds between health checks")
@@ -182,4 +185,5 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         last_call=conf.get("last_call_timeout", ns.last_call),
         stop_grace=ns.stop_grace if ns.shutdown_timeout is None else ns.shutdown_timeout,
         master_addr=ns.master_addr,
+        rdzv_token=ns.rdzv_token or os.environ.get("SPMD_RDZV_TOKEN") or None,
     )

@@ -131,6 +131,8 @@ def worker_env(config: RunConfig, m: Membership, local_rank: int, restart: int, 
     if m.store_endpoint is not None:
         env["SPMD_AGENT_STORE"] = m.store_endpoint  # spmd.init keeps its keys there, under:
         env["SPMD_STORE_PREFIX"] = f"spmd/job/{config.rdzv_id}/round{m.round}"
+    if config.rdzv_token:
+        env["SPMD_RDZV_TOKEN"] = config.rdzv_token  # spmd.init scopes the job's keys with it, as the agents do
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks sharing a node must not oversubscribe it
     return env

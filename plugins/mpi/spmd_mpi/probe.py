@@ -158,13 +158,22 @@ def describe() -> str:
         base += f" {py}"
     loaded = loaded_library_version()
     if loaded:
-        return f"{base}: {loaded.splitlines()[0].strip()}"
+        return f"{base}: {loaded.splitlines()[0].strip()}{_on_death(loaded)}"
     wheel = wheel_mpi()
     if wheel is not None:
-        return f"{base}: {wheel[1]} {wheel[2]} (the {wheel[0]!r} wheel)"
+        return f"{base}: {wheel[1]} {wheel[2]} (the {wheel[0]!r} wheel){_on_death(wheel[1])}"
     if py:
         return f"{base}: a system MPI library"
     return f"{base} (not installed)"
+
+
+def _on_death(library: str) -> str:
+    """What the launcher does when a rank dies, where it is known (said by ``spmd doctor``)."""
+    if "mpich" in library.lower():
+        return ("; when a rank dies, MPICH's mpiexec (Hydra) kills every other rank at once (SIGKILL, also with "
+                "-disable-auto-cleanup), so only mpiexec reports it: no spmd error or flight-recorder dump from "
+                "the others (plugins/mpi/README.md)")
+    return ""
 
 
 # -- launchers -------------------------------------------------------------------------

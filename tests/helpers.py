@@ -325,7 +325,8 @@ def mismatched_counts(timeout: float) -> list[str]:
 
 
 def silently_mismatched(kind: str, limit: float = 12.0) -> dict[str, object]:
-    """One all_reduce the ranks disagree on (``kind``: reduce_op, dtype or count) that the backend
+    """One all_reduce the ranks disagree on (``kind``: reduce_op, dtype or count; or, ``splits``, an
+    all_to_all_single whose split sizes disagree) that the backend
     completes without an error, then the same correct all_reduce every 50 ms until one raises or
     ``limit`` seconds pass. Returns the mismatched op's outcome, every later outcome and the time
     from the mismatched op to the first error."""
@@ -336,12 +337,18 @@ def silently_mismatched(kind: str, limit: float = 12.0) -> dict[str, object]:
         t, op = torch.ones(4), (spmd.ReduceOp.SUM, spmd.ReduceOp.MAX)[rank]
     elif kind == "dtype":
         t, op = (torch.ones(4), torch.ones(4, dtype=torch.int32))[rank], spmd.ReduceOp.SUM
-    else:
+    elif kind == "count":
         t, op = torch.ones((4, 1000)[rank]), spmd.ReduceOp.SUM
     start = time.monotonic()
     try:
-        spmd.all_reduce(t, op=op, group=group)
-        first = f"value {t[:4].tolist()}"
+        if kind == "splits":  # rank 0 sends rank 1 one row, rank 1 expects two: nothing overflows
+            sends = ([2, 1], [2, 2])[rank]
+            out = torch.zeros(4)
+            spmd.all_to_all_single(out, torch.ones(sum(sends)), [2, 2], sends, group=group)
+            first = f"value {out.tolist()}"
+        else:
+            spmd.all_reduce(t, op=op, group=group)
+            first = f"value {t[:4].tolist()}"
     except spmd.SpmdError as error:
         first = f"{type(error).__name__}: {error}"
     later: list[str] = []

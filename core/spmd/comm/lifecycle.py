@@ -17,8 +17,9 @@ from spmd.comm.work import NativeWork, NativeWorkAdapter, Timeout, Work, seconds
 from spmd.debug import desync
 from spmd.debug.recorder import Entry, recorder
 
-#: What ``begin`` hands ``complete``: the recorded entry, or the op, tensors and reduce op to record.
-Call = Entry | tuple[str, Sequence[torch.Tensor], ReduceOp | None]
+#: What ``begin`` hands ``complete``: the recorded entry, or the op, tensors and reduce op to record
+#: (all_to_all_single adds no peer and its splits: ``recorder.start``'s further arguments).
+Call = Entry | tuple[str, Sequence[torch.Tensor], ReduceOp | None] | tuple[str, Sequence[torch.Tensor], None, None, tuple[Sequence[int], Sequence[int]]]
 
 
 def begin(
@@ -38,9 +39,11 @@ def begin(
     run after submission it overlaps the transfer.
     """
     if desync.on:
-        entry = recorder.start(group.name, group.next_seq(), op, tensors, reduce_op)
+        entry = recorder.start(group.name, group.next_seq(), op, tensors, reduce_op, None, splits)
         desync.check(group, entry, root, splits)
         return entry
+    if splits is not None:  # recorded with the entry: the always-on check compares them across ranks
+        return (op, tensors, None, None, splits)
     return (op, tensors, reduce_op)
 
 

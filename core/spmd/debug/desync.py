@@ -39,13 +39,34 @@ def refresh() -> None:
 
 
 def call_signature(entry: Entry, root: int | None = None) -> str:
-    """What every rank of the group must agree on for ``entry``'s op (shapes only where they must match)."""
+    """What every rank of the group must agree on for ``entry``'s op (shapes only where they must match;
+    all_to_all_single's splits follow as `` splits 1,2/3,4``, to be matched across ranks by ``pair_split_mismatch``)."""
     if entry.op in _SHAPES_MAY_DIFFER:
         dtypes = ",".join(str(d).removeprefix("torch.") for d in entry.dtypes)
         text = f"{entry.op}({dtypes})"
     else:
         text = entry.signature()
-    return text + (f" root={root}" if root is not None else "")
+    text += f" root={root}" if root is not None else ""
+    if entry.splits is not None:
+        text += f" splits {','.join(map(str, entry.splits[0]))}/{','.join(map(str, entry.splits[1]))}"
+    return text
+
+
+def _parse_splits(call: str) -> tuple[list[int], list[int]]:
+    """(rows sent to each rank, rows received from each rank) from a signature's `` splits a,b/c,d``."""
+    _, _, splits = call.partition(" splits ")
+    send_text, _, receive_text = splits.partition("/")
+    return [int(n) for n in send_text.split(",") if n], [int(n) for n in receive_text.split(",") if n]
+
+
+def pair_split_mismatch(mine: str, i: int, theirs: str, j: int, ranks: Sequence[int]) -> str | None:
+    """Whether all_to_all_single's splits of group ranks ``i`` and ``j`` disagree with each other, described."""
+    (my_sends, my_receives), (their_sends, their_receives) = _parse_splits(mine), _parse_splits(theirs)
+    if j < len(my_sends) and i < len(their_receives) and my_sends[j] != their_receives[i]:
+        return f"rank {ranks[i]} sends {my_sends[j]} rows to rank {ranks[j]}, which expects {their_receives[i]} from it"
+    if i < len(their_sends) and j < len(my_receives) and their_sends[i] != my_receives[j]:
+        return f"rank {ranks[j]} sends {their_sends[i]} rows to rank {ranks[i]}, which expects {my_receives[j]} from it"
+    return None
 
 
 def _split_mismatch(calls: list[str], ranks: tuple[int, ...]) -> str | None:
@@ -53,13 +74,9 @@ def _split_mismatch(calls: list[str], ranks: tuple[int, ...]) -> str | None:
 
     Rank i's input split j (rows it sends to j) must equal rank j's output split i.
     """
-    sends: list[list[int]] = []
-    receives: list[list[int]] = []
-    for call in calls:
-        _, _, splits = call.partition(" splits ")
-        send_text, _, receive_text = splits.partition("/")
-        sends.append([int(n) for n in send_text.split(",") if n])
-        receives.append([int(n) for n in receive_text.split(",") if n])
+    parsed = [_parse_splits(call) for call in calls]
+    sends = [p[0] for p in parsed]
+    receives = [p[1] for p in parsed]
     for i, sent in enumerate(sends):
         for j, rows in enumerate(sent):
             if j < len(receives) and i < len(receives[j]) and receives[j][i] != rows:
@@ -79,9 +96,7 @@ def check(
 
     store = get_state().store
     prefix = f"spmd/debug/desync/{group.uid}/{entry.seq}/"
-    mine = call_signature(entry, root)
-    if splits is not None:
-        mine += f" splits {','.join(map(str, splits[0]))}/{','.join(map(str, splits[1]))}"
+    mine = call_signature(entry, root)  # (with the entry's splits, for all_to_all_single)
     store.set(prefix + str(group.rank), mine)
     keys = [prefix + str(r) for r in range(group.size)]
     try:

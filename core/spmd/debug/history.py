@@ -7,7 +7,7 @@ call before it runs, at a store round trip per op. This check costs the hot
 path one deque append per op: the flight recorder keeps each group's recent
 Entries, and every watchdog step (0.2 s) each rank publishes the signatures
 of the calls it made since its last step (op, dtypes, shapes where they must
-match, reduce op) and compares them, sequence number by sequence number,
+match, reduce op, all_to_all_single's splits) and compares them, sequence number by sequence number,
 with those of the next rank of the group (a ring: any disagreement shows
 between some pair of neighbours). At the first difference the group is
 marked unusable with both calls named, the other ranks learn it through the
@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from spmd.debug.desync import call_signature
+from spmd.debug.desync import call_signature, pair_split_mismatch
 from spmd.debug.recorder import recorder
 
 HISTORY_KEY = "spmd/debug/history/{group}/{rank}"
@@ -92,14 +92,22 @@ class HistoryCheck:
             if seq <= done or seq not in theirs:
                 continue
             if theirs[seq] != signature:
-                self._break(group, seq, signature, neighbour, theirs[seq])
+                other = theirs[seq]
+                why = None
+                if " splits " in signature and signature.partition(" splits ")[0] == other.partition(" splits ")[0]:
+                    # all_to_all_single: splits differ by rank; each must send what the other expects
+                    why = pair_split_mismatch(signature, group.rank, other, group.ranks.index(neighbour), group.ranks)
+                    if why is None:
+                        continue
+                self._break(group, seq, signature, neighbour, other, why)
                 return
         self.checked[group.uid] = max(done, min(mine[-1][0], max(theirs)))
 
-    def _break(self, group: Any, seq: int, signature: str, neighbour: int, other: str) -> None:
+    def _break(self, group: Any, seq: int, signature: str, neighbour: int, other: str, why: str | None = None) -> None:
+        splits = f"; all_to_all_single splits disagree: {why}" if why else ""
         reason = (
             f"ranks disagree on collective #{seq} of group {group.name!r}: rank {self.rank} called {signature}, "
-            f"rank {neighbour} called {other} (found by the always-on mismatch check after the op ran, so its "
+            f"rank {neighbour} called {other}{splits} (found by the always-on mismatch check after the op ran, so its "
             "result may be wrong on any rank; every rank must make the same collective calls in the same order "
             "with matching dtypes and shapes; SPMD_DESYNC_CHECK=1 stops a mismatched call before it runs)"
         )

@@ -24,9 +24,11 @@ HISTORY = 1024
 class Entry:
     """One recorded op. ``seq`` is the group's sequence number (-1 for point-to-point)."""
 
-    __slots__ = ("group", "seq", "op", "shapes", "dtypes", "reduce_op", "peer", "t_start", "t_end", "state", "error", "context", "_progress")
+    __slots__ = ("group", "seq", "op", "shapes", "dtypes", "reduce_op", "peer", "t_start", "t_end", "state", "error", "context",
+                 "splits", "_progress")
 
-    def __init__(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any, peer: int | None) -> None:
+    def __init__(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any, peer: int | None,
+                 splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
         self.group, self.seq, self.op = group, seq, op
         if len(tensors) == 1:  # the common case, without a comprehension's frame
             tensor = tensors[0]
@@ -41,6 +43,7 @@ class Entry:
         self.state = "started"
         self.error: str | None = None
         self.context: str | None = None  # what the op is for, e.g. a pipeline action (spmd.comm.p2p.p2p_context)
+        self.splits = splits  # all_to_all_single's (input, output) split sizes: rows to and from each rank
         self._progress: list[Any] | None = None  # the group's progress row, set by the recorder
 
     def finish(self, error: BaseException | None) -> None:
@@ -95,8 +98,9 @@ class FlightRecorder:
         self.outstanding: list[tuple[Entry, Any, float | None, float | None]] = []
         self.lock = threading.Lock()
 
-    def start(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any = None, peer: int | None = None) -> Entry:
-        entry = Entry(group, seq, op, tensors, reduce_op, peer)
+    def start(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any = None, peer: int | None = None,
+              splits: tuple[Sequence[int], Sequence[int]] | None = None) -> Entry:
+        entry = Entry(group, seq, op, tensors, reduce_op, peer, splits)
         if self.enabled:
             self.entries.append(entry)
         if seq >= 0:

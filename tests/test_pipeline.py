@@ -209,23 +209,19 @@ def test_cli_pipeline_show_prints_the_timeline(capsys, tmp_path):
 def test_train_example_pipeline_follows_one_process(tmp_path):
     """examples/train.py --pp 2 (embeddings, blocks and head in two stages, 1F1B, 2 microbatches) trains
     like one process on the same data, and its saved state dict (gathered from both stages) matches."""
-    import torch
-    from train_runs import losses, run_train
+    from train_runs import assert_same_state, losses, run_train
 
     single = losses(run_train(1, [], tmp_path / "one.pt"))
     piped = losses(run_train(2, ["--pp", "2", "--microbatches", "2"], tmp_path / "pp.pt"))
     assert len(single) == 5 and max(abs(a - b) for a, b in zip(single, piped)) < 2e-4, (single, piped)
-    one, pp = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "pp.pt")
-    assert one.keys() == pp.keys() and max((one[k] - pp[k]).abs().max().item() for k in one) < 1e-4
+    assert_same_state(tmp_path / "one.pt", tmp_path / "pp.pt")
 
 
 def test_train_example_pipeline_inside_fsdp_follows_ddp(tmp_path):
     """--pp 2 --strategy fsdp on 4 ranks (two stages, each sharded over 2 replicas) follows DDP on 2 ranks."""
-    import torch
-    from train_runs import losses, run_train
+    from train_runs import assert_same_state, losses, run_train
 
     ddp = losses(run_train(2, [], tmp_path / "ddp.pt"))
     piped = losses(run_train(4, ["--pp", "2", "--microbatches", "2", "--strategy", "fsdp"], tmp_path / "pp.pt"))
     assert len(ddp) == 5 and max(abs(a - b) for a, b in zip(ddp, piped)) < 2e-4, (ddp, piped)
-    one, pp = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "pp.pt")
-    assert one.keys() == pp.keys() and max((one[k] - pp[k]).abs().max().item() for k in one) < 1e-4
+    assert_same_state(tmp_path / "ddp.pt", tmp_path / "pp.pt")

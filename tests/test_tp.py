@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import tp_helpers as h
-from train_runs import losses, run_train
+from train_runs import assert_same_state, losses, run_train
 
 TOL = 1e-5
 
@@ -62,14 +62,11 @@ def test_styles_are_registered_strategies(style):
 def test_train_example_tensor_parallel_follows_one_process(tmp_path):
     """examples/train.py --tp 2 on 2 ranks trains like one process on the same data (heads, MLP and
     vocabulary split; loss_parallel), and saves a plain state dict."""
-    import torch
 
     single = losses(run_train(1, [], tmp_path / "one.pt"))
     tensor_parallel = losses(run_train(2, ["--tp", "2"], tmp_path / "tp.pt"))
     assert len(single) == 5 and max(abs(a - b) for a, b in zip(single, tensor_parallel)) < 2e-4, (single, tensor_parallel)
-    one, tp = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "tp.pt")
-    assert one.keys() == tp.keys() and all(type(v) is torch.Tensor for v in tp.values())
-    assert max((one[k] - tp[k]).abs().max().item() for k in one) < 1e-4
+    assert_same_state(tmp_path / "one.pt", tmp_path / "tp.pt")
 
 
 def test_train_example_two_dimensional_tensor_and_data_parallel(tmp_path):
@@ -93,10 +90,8 @@ def test_tensor_parallel_inside_fsdp_on_a_two_by_two_mesh(spmd_world):
 def test_train_example_tensor_parallel_inside_fsdp(tmp_path):
     """The README's 2-D command: --strategy fsdp --dp 2 --tp 2 on 4 ranks follows DDP on 2 ranks, and saves
     the same plain state dict."""
-    import torch
 
     ddp = losses(run_train(2, [], tmp_path / "ddp.pt"))
     two_d = losses(run_train(4, ["--strategy", "fsdp", "--dp", "2", "--tp", "2"], tmp_path / "2d.pt"))
     assert len(ddp) == 5 and max(abs(a - b) for a, b in zip(ddp, two_d)) < 2e-4, (ddp, two_d)
-    one, two = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "2d.pt")
-    assert one.keys() == two.keys() and max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
+    assert_same_state(tmp_path / "ddp.pt", tmp_path / "2d.pt")

@@ -30,3 +30,21 @@ def run_train(world: int, extra: list[str], out: pathlib.Path, steps: int = 5, t
 
 def losses(lines: list[str]) -> list[float]:
     return [float(line.split("loss")[1]) for line in lines]
+
+
+def assert_same_state(path_a: pathlib.Path, path_b: pathlib.Path, atol: float = 1e-4) -> None:
+    """Two runs' saved state dicts hold the same keys and values within ``atol``.
+
+    Except the key projections' biases: their gradient is exactly zero (``q . b_k`` shifts every score
+    of a query alike, which softmax ignores), so what they get is rounding noise, and AdamW turns any
+    nonzero gradient into a step of up to about the learning rate (3e-3): they may drift apart by that
+    much on another machine's arithmetic, never by more.
+    """
+    import torch
+
+    a, b = torch.load(path_a), torch.load(path_b)
+    assert a.keys() == b.keys() and all(type(v) is torch.Tensor for v in b.values())
+    noise_only = {k for k in a if k.endswith(".k.bias")}
+    worst = {k: (a[k] - b[k]).abs().max().item() for k in a}
+    assert max(v for k, v in worst.items() if k not in noise_only) < atol, worst
+    assert max((worst[k] for k in noise_only), default=0.0) < 5 * 3e-3, worst

@@ -33,3 +33,9 @@ class CollectiveError(SpmdError):
 
 class CollectiveDesyncError(SpmdError):
     """Ranks of a group called different collectives (or shapes/dtypes) at one sequence number."""
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line (C++ errors from torch carry a stack dump after it), or its type's name."""
+    text = str(error)
+    return text.splitlines()[0] if text else type(error).__name__

@@ -89,15 +89,18 @@ def _agent_store(endpoint: str, timeout: timedelta) -> tdist.Store:
     return tdist.PrefixStore(os.environ.get("SPMD_STORE_PREFIX", "spmd/job"), job_scope(client))
 
 
-def _make_store(init_method: str | None, rank: int, world_size: int, addr: str, port: int, timeout: timedelta) -> tdist.Store:
+def _make_store(
+    init_method: str | None, rank: int, world_size: int, addr: str, port: int, timeout: timedelta
+) -> tuple[tdist.Store, str | None]:
+    """The job's store, and who hosts it, as errors name it when it is gone (None: not known)."""
     agent = os.environ.get("SPMD_AGENT_STORE")
     if agent and init_method in (None, "env://"):
-        return _agent_store(agent, timeout)
+        return _agent_store(agent, timeout), f"the `spmd run` agent's process ({agent})"
     if init_method and init_method.startswith("file://"):
         path = urllib.parse.urlparse(init_method).path
-        return tdist.FileStore(path, world_size)
+        return tdist.FileStore(path, world_size), None
     if world_size == 1 and port == 0:
-        return tdist.HashStore()
+        return tdist.HashStore(), None
     # Under torchrun the agent already hosts the store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE),
     # as torch's own env:// knows: every rank joins it as a client instead of rank 0 failing to bind,
     # under one key prefix per restart attempt (the agent's store outlives restarts).
@@ -110,8 +113,10 @@ def _make_store(init_method: str | None, rank: int, world_size: int, addr: str, 
             check_resolvable(addr, port, timeout)
             store = client_store(addr, port, world_size, timeout)
         if torchrun_store:
-            return tdist.PrefixStore(f"spmd/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
-        return job_scope(store)  # SPMD_RDZV_TOKEN: the job's keys under the token's namespace
+            attempt = tdist.PrefixStore(f"spmd/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+            return attempt, f"torchrun's agent ({addr}:{port})"
+        # SPMD_RDZV_TOKEN: the job's keys under the token's namespace
+        return job_scope(store), "this process (rank 0)" if host else f"rank 0's process ({addr}:{port})"
     except SpmdError:
         raise  # already says what went wrong
     except Exception as error:  # noqa: BLE001 - re-raised with what to check
@@ -187,8 +192,7 @@ def init_process_group(
             log.info("spmd.init: no launcher detected, running as a world of one")
         else:
             rank, world_size, addr, port = _resolve_world(init_method, rank, world_size)
-        store = _make_store(init_method, rank, world_size, addr, port, timeout)
-        store_host = _store_host(init_method, rank, addr, port)
+        store, store_host = _make_store(init_method, rank, world_size, addr, port, timeout)
         if world_size > 1:
             await_arrivals(store, rank, world_size, timeout)  # names a rank that never came, on every rank
     elif rank < 0 or world_size < 0:
@@ -204,18 +208,6 @@ def init_process_group(
     if joined is None and not tdist.is_initialized() and interop.interop_requested(torch_interop):
         interop.attach(world, store, timeout)
     return world
-
-
-def _store_host(init_method: str | None, rank: int, addr: str, port: int) -> str | None:
-    """Who hosts the store ``_make_store`` joins, as errors name it when it is gone (None: not known)."""
-    agent = os.environ.get("SPMD_AGENT_STORE")
-    if agent and init_method in (None, "env://"):
-        return f"the `spmd run` agent's process ({agent})"
-    if (init_method or "").startswith("file://") or port == 0:
-        return None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        return f"torchrun's agent ({addr}:{port})"
-    return "this process (rank 0)" if rank == 0 else f"rank 0's process ({addr}:{port})"
 
 
 def _start_debugging(store: tdist.Store, rank: int, trace_dir: str | os.PathLike | None, store_host: str | None) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as tdist
 
 from spmd.comm.tcp_store import host_tcp_store
-from spmd.errors import SpmdError
+from spmd.errors import SpmdError, first_line
 
 #: Where each rank marks its arrival (under the job's store, next to the world's other keys).
 ARRIVED = "spmd/arrived/"
@@ -159,7 +159,7 @@ def await_arrivals(store: tdist.Store, rank: int, world_size: int, timeout: time
         else:
             return
     except Exception as error:  # noqa: BLE001 - the store itself is gone
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        first = first_line(error)
         raise SpmdError(
             f"rank {rank}: the job's store went away while waiting for the other ranks to arrive ({first}); "
             "rank 0 hosts it: did rank 0 exit or fail to start?"

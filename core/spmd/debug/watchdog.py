@@ -26,6 +26,7 @@ import torch.distributed as tdist
 from spmd.debug.dump import dump, trace_dir
 from spmd.debug.history import HistoryCheck
 from spmd.debug.recorder import Entry, recorder
+from spmd.errors import first_line
 
 PROGRESS_KEY = "spmd/debug/progress/{rank}"
 DUMP_COUNTER = "spmd/debug/dump_requests"
@@ -105,7 +106,7 @@ class Watchdog:
                 if self.stopped.is_set():
                     return
                 if store_gone(error):
-                    self.store_lost = str(error).splitlines()[0] if str(error) else type(error).__name__
+                    self.store_lost = first_line(error)
 
     def store_lost_message(self, why: str) -> str:
         """The diagnosis when the store no longer answers: who hosted it."""
@@ -273,7 +274,7 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
         dog.tick()  # peers stuck for a whole timeout have published their stuck state already
         progress = dog.read_progress(list(group.ranks))
     except Exception as error:  # noqa: BLE001 - a diagnosis must not hide the original error
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        first = first_line(error)
         if store_gone(error):
             dog.store_lost = first
             return dog.store_lost_message(first)

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 
 import torch
 
+from spmd.comm import state
 from spmd.comm.backend import Backend
 from spmd.comm.group import ProcessGroup
-from spmd.comm.reduce_op import ReduceOp, check_reduce_op
+from spmd.comm.reduce_op import ReduceOp, check_reduce_op, checked_dtypes
 from spmd.comm.state import resolve_group
 from spmd.comm.work import Timeout
 
@@ -34,11 +35,14 @@ def route(group: ProcessGroup | None, tensor: torch.Tensor, what: str, op: str, 
     cores, each Python call between two collectives measured 1-3 us of added
     latency here, so the common case of every check is tested inline.
     """
-    g = resolve_group(group)
+    world = state._state
+    g = world.world if group is None and world is not None else resolve_group(group)
     if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
         check_tensor(tensor, what, op)  # raises for what is not a dense tensor
     if reduce_op is not None:
-        check_reduce_op(reduce_op, tensor.dtype)
+        checked = checked_dtypes.get(reduce_op)
+        if checked is None or tensor.dtype not in checked:
+            check_reduce_op(reduce_op, tensor.dtype)
     backend = g.backends_by_device.get(tensor.device)
     return g, backend if backend is not None else g.backend_for(tensor, op, timeout)
 

@@ -67,12 +67,22 @@ def complete(
     """
     if not isinstance(work, Work):  # the backend returned its own handle (the NativeWork protocol)
         work = NativeWorkAdapter(work)  # (Work.from_native also checks the methods: not on the hot path)
-    entry = call if isinstance(call, Entry) else recorder.start(group.name, group.next_seq(), *call)
+    # A Work that already succeeded (Work.completed(), a fast worker thread) is recorded as completed
+    # in one step; a synchronous one then needs nothing more.
+    succeeded = work._is_done and work._error is None
+    if isinstance(call, Entry):
+        entry = call
+    else:
+        seq = group.seq
+        group.seq = seq + 1
+        entry = recorder.start(group.name, seq, *call, done=succeeded)
+        if succeeded and not async_op and after is None:
+            return None
     limit = group.timeout_s if timeout is None else seconds(timeout)
     work.default_timeout = limit
     work._entry = entry
     work._group = group
-    if work._is_done:  # finished before it had an entry to finish (Work.completed(), a fast worker thread)
+    if work._is_done:  # finished before it had an entry to finish (no-op if recorded as completed above)
         entry.finish(work._error)
     if op != entry.op:  # point-to-point: "isend to rank 3 (tag 0)"
         work._describe = lambda: group.describe(op)

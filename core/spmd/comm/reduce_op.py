@@ -35,17 +35,17 @@ def is_floating(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-#: dtypes already checked per op.
-_CHECKED: dict[ReduceOp, set[torch.dtype]] = {}
+#: dtypes already checked per op (``route`` reads it inline: the common case costs no call).
+checked_dtypes: dict[ReduceOp, set[torch.dtype]] = {}
 
 
 def check_reduce_op(op: ReduceOp, dtype: torch.dtype) -> None:
     """Raise a clear TypeError when ``op`` makes no sense for ``dtype``."""
-    checked = _CHECKED.get(op)
+    checked = checked_dtypes.get(op)
     if checked is not None and dtype in checked:
         return
     _check(op, dtype)
-    _CHECKED.setdefault(op, set()).add(dtype)
+    checked_dtypes.setdefault(op, set()).add(dtype)
 
 
 def _check(op: ReduceOp, dtype: torch.dtype) -> None:

@@ -100,8 +100,8 @@ class Work:
     _error: BaseException | None = None
     _callbacks: list[Callable[[Work], None]] | None = None
 
-    def __init__(self) -> None:
-        """Nothing to set: subclasses may call it or not."""
+    # No __init__: object's, in C (a Python one that sets nothing still cost a frame per op).
+    # Subclasses may call super().__init__() or not.
 
     # -- constructors -------------------------------------------------------------
     @classmethod

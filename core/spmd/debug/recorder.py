@@ -28,7 +28,7 @@ class Entry:
                  "splits", "_progress")
 
     def __init__(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any, peer: int | None,
-                 splits: tuple[Sequence[int], Sequence[int]] | None = None) -> None:
+                 splits: tuple[Sequence[int], Sequence[int]] | None = None, done: bool = False) -> None:
         self.group, self.seq, self.op = group, seq, op
         if len(tensors) == 1:  # the common case, without a comprehension's frame
             tensor = tensors[0]
@@ -38,9 +38,9 @@ class Entry:
             self.shapes = [t.shape for t in tensors]
             self.dtypes = [t.dtype for t in tensors]
         self.reduce_op, self.peer = reduce_op, peer
-        self.t_start = time.time()
-        self.t_end: float | None = None
-        self.state = "started"
+        self.t_start = now = time.time()
+        self.t_end: float | None = now if done else None
+        self.state = "completed" if done else "started"
         self.error: str | None = None
         self.context: str | None = None  # what the op is for, e.g. a pipeline action (spmd.comm.p2p.p2p_context)
         self.splits = splits  # all_to_all_single's (input, output) split sizes: rows to and from each rank
@@ -99,8 +99,9 @@ class FlightRecorder:
         self.lock = threading.Lock()
 
     def start(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any = None, peer: int | None = None,
-              splits: tuple[Sequence[int], Sequence[int]] | None = None) -> Entry:
-        entry = Entry(group, seq, op, tensors, reduce_op, peer, splits)
+              splits: tuple[Sequence[int], Sequence[int]] | None = None, *, done: bool = False) -> Entry:
+        """Record an op that started (or, with ``done``, one that already completed without error)."""
+        entry = Entry(group, seq, op, tensors, reduce_op, peer, splits, done)
         if self.enabled:
             self.entries.append(entry)
         if seq >= 0:
@@ -109,6 +110,8 @@ class FlightRecorder:
                 self.progress[group] = progress = [seq, op, -1, None, entry, collections.deque(maxlen=HISTORY)]
             else:
                 progress[0], progress[1], progress[4] = seq, op, entry
+            if done and seq > progress[2]:
+                progress[2], progress[3] = seq, op
             if self.keep_history:
                 progress[5].append(entry)
             entry._progress = progress

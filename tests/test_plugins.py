@@ -267,11 +267,6 @@ def test_doctor_shows_usability_and_native_ops():
     assert "native: all_gather_into_tensor, all_reduce" in out
 
 
-#: Plugins not yet moved onto the public NativeWork protocol (issue 13). The test below
-#: fails when one of them no longer needs to be here, so the list can only shrink.
-STILL_ON_KERNEL_PRIVATES = {"nccl"}
-
-
 def _kernel_private_uses(package_dir):
     """Where a plugin touches the kernel's private names: Work subclasses, its underscore
     attributes (unless the plugin's own class defines that name), ``from spmd... import _x``."""
@@ -317,7 +312,4 @@ def test_plugins_use_only_the_kernels_public_names(plugin):
     folder = root / "examples" / plugin if plugin == "plugin-p2p" else root / "plugins" / plugin
     package = next(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("spmd_"))
     uses = _kernel_private_uses(package)
-    if plugin in STILL_ON_KERNEL_PRIVATES:
-        assert uses, f"spmd-{plugin} no longer uses kernel private names: remove it from STILL_ON_KERNEL_PRIVATES"
-    else:
-        assert not uses, f"spmd-{plugin} uses the kernel's private names:\n" + "\n".join(uses)
+    assert not uses, f"spmd-{plugin} uses the kernel's private names:\n" + "\n".join(uses)

@@ -178,6 +178,46 @@ def test_an_expired_native_work_is_aborted_and_fails_with_the_kernels_error():
     assert isinstance(work.exception(), spmd.CollectiveTimeoutError)
 
 
+def test_a_device_backends_wait_orders_the_stream_and_completes_later():
+    """``wait_stream()``: wait() without a timeout returns at once (the device waits, the CPU does
+    not); the Work completes when the backend reports; with a timeout, or when the backend says
+    False (a barrier), the CPU waits as usual."""
+    class OnDevice(FakeNative):
+        ordered = 0
+        on_cpu = False
+
+        def wait_stream(self):
+            self.ordered += 1
+            return not self.on_cpu
+
+        def add_done_callback(self, fn):
+            self.fn = fn
+
+    native = OnDevice()
+    work = spmd.Work.from_native(native)
+    assert work.wait() is True and native.ordered == 1 and not work.is_completed()
+    native.finish()
+    native.fn()
+    assert work.is_completed() and work.exception() is None
+
+    failed = OnDevice()
+    later = spmd.Work.from_native(failed)
+    failed.finish(TimeoutError("the backend aborted it"))
+    with pytest.raises(spmd.CollectiveTimeoutError, match="the backend aborted it"):
+        later.wait()  # already failed when it was ordered: the error is raised now
+
+    blocking = OnDevice()
+    blocking.on_cpu = True
+    barrier = spmd.Work.from_native(blocking)
+    with pytest.raises(spmd.CollectiveTimeoutError, match="within 0.1 s"):
+        barrier.wait(0.1)  # an explicit timeout always waits on the CPU
+    assert blocking.ordered == 0
+    barrier.default_timeout = 0.1
+    with pytest.raises(spmd.CollectiveTimeoutError, match="within 0.1 s"):
+        barrier.wait()  # the backend declined to order the stream: the CPU waits, with the deadline
+    assert blocking.ordered == 1
+
+
 def test_from_native_names_the_missing_method():
     class Partial:
         def poll(self):

@@ -340,6 +340,12 @@ class NativeWork(Protocol):
     Optional: ``add_done_callback(fn)``, calling ``fn()`` once from any thread
     when the op finished. Without it, the kernel runs one helper thread per
     Work that has callbacks or a future, blocked in ``wait(None)``.
+
+    Optional, for device backends: ``wait_stream() -> bool``. A ``wait()``
+    with no timeout then orders the caller's current device stream after the
+    op instead of blocking the CPU, as torch's ProcessGroupNCCL does: True when
+    it did (the op's completion still reaches the kernel through ``poll`` or
+    the callback, and its deadline still holds), False to block the CPU as usual.
     """
 
     def poll(self) -> bool: ...
@@ -359,10 +365,11 @@ class NativeWorkAdapter(Work):
     def __init__(self, native: NativeWork) -> None:
         self.native = native
 
-    def _settle(self) -> None:
+    def _settle(self, limit: float | None = None) -> None:
         error = self.native.error()
         if error is not None and isinstance(error, TimeoutError) and not isinstance(error, CollectiveTimeoutError):
-            error = timeout_error(self.description, self.default_timeout, str(error).split("\n", 1)[0])
+            limit = self.default_timeout if limit is None else limit
+            error = timeout_error(self.description, limit, str(error).split("\n", 1)[0])
         self._finish(None, error)
 
     def _wait_native(self, timeout: float | None) -> bool:
@@ -370,15 +377,22 @@ class NativeWorkAdapter(Work):
             return True
         if not self.native.wait(timeout):
             return False
-        self._settle()
+        self._settle(timeout)
         return True
 
-    def is_completed(self) -> bool:
-        if not self._is_done and self.native.poll():
-            self._settle()
-        return self._is_done
+    def wait(self, timeout: Timeout = None) -> bool:
+        if timeout is None and not self._is_done:
+            wait_stream = getattr(self.native, "wait_stream", None)
+            if wait_stream is not None and wait_stream():  # ordered on the device: no CPU block
+                if self.native.poll():
+                    self._settle()
+                else:
+                    self._hook()  # the entry, callbacks and futures finish when the backend reports
+                    return True
+        return super().wait(timeout)
 
-    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+    def _hook(self) -> None:
+        """Have the backend tell this Work when the op finished (its callback, or a waiting thread)."""
         if not self._hooked and not self._is_done:
             self._hooked = True
             hook = getattr(self.native, "add_done_callback", None)
@@ -386,6 +400,14 @@ class NativeWorkAdapter(Work):
                 hook(self._settle)
             else:
                 threading.Thread(target=self._wait_native, args=(None,), name="spmd-native-wait", daemon=True).start()
+
+    def is_completed(self) -> bool:
+        if not self._is_done and self.native.poll():
+            self._settle()
+        return self._is_done
+
+    def add_done_callback(self, callback: Callable[[Work], None]) -> None:
+        self._hook()
         super().add_done_callback(callback)
 
     def _expire(self, error: BaseException) -> None:

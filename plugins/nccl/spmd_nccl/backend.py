@@ -24,7 +24,7 @@ import torch
 
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.reduce_op import ReduceOp
-from spmd.comm.work import Work
+from spmd.comm.work import NativeWork, Work
 from spmd.errors import BackendUnavailableError
 from spmd_nccl import library as nccl
 from spmd_nccl.bootstrap import await_ready, exchange_unique_id
@@ -124,20 +124,20 @@ class NcclBackend(Backend):
         return self._communicator(device)
 
     # -- point-to-point ----------------------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work | NativeWork:
         comm = self._prepare("isend", tensor)
         if tensor.numel() == 0:
             return Work.completed()
         return comm.post_p2p(True, _bytes(tensor), dst)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work | NativeWork:
         comm = self._prepare("irecv", tensor)
         if tensor.numel() == 0:
             return Work.completed()
         return comm.post_p2p(False, _bytes(tensor), src)
 
     # -- reductions ----------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work:
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work | NativeWork:
         comm = self._prepare("all_reduce", tensor)
         plan = reduction(tensor.dtype, op, self.lib.version)
         if tensor.numel() == 0:
@@ -150,7 +150,7 @@ class NcclBackend(Backend):
 
         return comm.launch(issue, tensor)
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work:
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work | NativeWork:
         comm = self._prepare("reduce", tensor)
         plan = reduction(tensor.dtype, op, self.lib.version)
         if tensor.numel() == 0:
@@ -164,7 +164,7 @@ class NcclBackend(Backend):
 
         return comm.launch(issue, tensor)
 
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work | NativeWork:
         comm = self._prepare("reduce_scatter_tensor", output, input)
         plan = reduction(input.dtype, op, self.lib.version)
         if output.numel() == 0:
@@ -179,7 +179,7 @@ class NcclBackend(Backend):
         return comm.launch(issue, (output, input))
 
     # -- data movement ---------------------------------------------------------------------------------
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work | NativeWork:
         comm = self._prepare("broadcast", tensor)
         if tensor.numel() == 0:
             return Work.completed()
@@ -190,7 +190,7 @@ class NcclBackend(Backend):
 
         return comm.launch(issue, tensor)
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work:
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> Work | NativeWork:
         comm = self._prepare("all_gather_into_tensor", output, input)
         if input.numel() == 0:
             return Work.completed()
@@ -208,7 +208,7 @@ class NcclBackend(Backend):
         input: torch.Tensor,
         output_split_sizes: Sequence[int],
         input_split_sizes: Sequence[int],
-    ) -> Work:
+    ) -> Work | NativeWork:
         comm = self._prepare("all_to_all_single", output, input)
         in_row, out_row = _row_bytes(input), _row_bytes(output)
         if input.numel() == 0 and output.numel() == 0:
@@ -240,7 +240,7 @@ class NcclBackend(Backend):
 
         return comm.launch(issue, (output, input))
 
-    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> Work:
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> Work | NativeWork:
         comm = self._prepare("gather", output, input)
         if input.numel() == 0:
             return Work.completed()
@@ -264,7 +264,7 @@ class NcclBackend(Backend):
 
         return comm.launch(issue, (output, input))
 
-    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int) -> Work:
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int) -> Work | NativeWork:
         comm = self._prepare("scatter", output, input)
         if output.numel() == 0:
             return Work.completed()
@@ -288,7 +288,7 @@ class NcclBackend(Backend):
 
         return comm.launch(issue, (output, input))
 
-    def barrier(self) -> Work:
+    def barrier(self) -> Work | NativeWork:
         """A one-byte all-reduce whose ``wait()`` blocks the CPU (with the group timeout)."""
         comm = self._comm
         device = comm.device if comm is not None else torch.device("cuda", torch.cuda.current_device())

@@ -169,7 +169,7 @@ class Communicator:
             return
         if error is None:
             raise CollectiveError(f"the NCCL communicator of {self.where()} was closed; create a new group")
-        kind = CollectiveTimeoutError if isinstance(error, CollectiveTimeoutError) else CollectiveError
+        kind = CollectiveTimeoutError if isinstance(error, TimeoutError) else CollectiveError
         raise kind(
             f"the NCCL communicator of {self.where()} was aborted after an earlier failure, so no CUDA op "
             f"can run on this group any more: {error}. Destroy the group (spmd.destroy_process_group()) and "
@@ -191,7 +191,7 @@ class Communicator:
                 issue()
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            work._issued(event, capturing)
+            work.issued(event, capturing)
         if not capturing:
             self._track([work])
         return work
@@ -225,7 +225,7 @@ class Communicator:
         if self.handle is None:
             error = self.error or CollectiveError(f"the NCCL communicator of {self.where()} was closed")
             for op in ops:
-                op.work._failed(error)
+                op.work.failed(error)
             return
         try:
             for op in ops:
@@ -239,10 +239,10 @@ class Communicator:
             event.record(self.stream)
         except BaseException as error:
             for op in ops:
-                op.work._failed(error)
+                op.work.failed(error)
             raise
         for op in ops:
-            op.work._issued(event, op.captured)
+            op.work.issued(event, op.captured)
         self._track([op.work for op in ops if not op.captured])
 
     def _track(self, works: list[NcclWork]) -> None:
@@ -282,7 +282,7 @@ class Communicator:
         with self._works_lock:
             running, self._outstanding = self._outstanding, []
         for work in running + [op.work for op in pending]:
-            work._failed(self.error)
+            work.failed(self.error)
 
     def close(self) -> None:
         """Finish (ncclCommFinalize, bounded) and destroy the communicator; abort if it cannot finish."""
@@ -293,7 +293,7 @@ class Communicator:
                 with self._works_lock:
                     finished, self._outstanding = self._outstanding, []
                 for work in finished:  # ncclCommFinalize returned: every op has completed
-                    work._succeeded()
+                    work.succeeded()
         finally:
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout=2)  # no CUDA call from it while the interpreter shuts down

@@ -23,6 +23,7 @@ import spmd
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.state import NON_GROUP_MEMBER, get_state
+from spmd.comm.work import as_work
 from spmd.errors import CollectiveError, CollectiveTimeoutError
 from spmd.testing.conformance.checks import Recorder
 from spmd.testing.conformance.data import (
@@ -215,7 +216,7 @@ def check_backend_gather(g: ProcessGroup, rec: Recorder) -> None:
 
         def body(async_op: bool, inputs=inputs, root=root, key=key) -> None:  # type: ignore[no-untyped-def]
             out = _zeros(torch.cat(inputs)) if g.rank == root else None
-            backend.gather(out, inputs[g.rank].cuda(), root).wait()
+            as_work(backend.gather(out, inputs[g.rank].cuda(), root)).wait()
             if out is not None:
                 _expect_bytes(out, torch.cat(inputs), key)
 
@@ -231,7 +232,7 @@ def check_barrier(g: ProcessGroup, rec: Recorder) -> None:
 
         def body(async_op: bool, key=key) -> None:  # type: ignore[no-untyped-def]
             store.set(f"{key}/{g.rank}", "1")
-            backend.barrier().wait()
+            as_work(backend.barrier()).wait()
             missing = [i for i in range(g.size) if not store.check([f"{key}/{i}"])]
             if missing:
                 raise AssertionError(f"{key}: ranks {missing} had not arrived when the barrier returned")

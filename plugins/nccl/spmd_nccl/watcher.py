@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from spmd.comm.work import timeout_error
 from spmd_nccl import library as nccl
 from spmd_nccl.cuda import allow_queries_during_other_threads_captures, on_device
 from spmd_nccl.errors import NcclError
@@ -78,9 +77,9 @@ def poll_once(comm: Communicator) -> None:
     done: list[NcclWork] = []
     late: NcclWork | None = None
     for work in works:
-        if work._is_done or (work._cuda_event is not None and work._cuda_event.query()):
+        if work.done or (work.cuda_event is not None and work.cuda_event.query()):
             done.append(work)
-        elif late is None and now - work._issued_at > comm.timeout_s:
+        elif late is None and now - work.issued_at > comm.timeout_s:
             late = work
     if done:
         finished = set(map(id, done))
@@ -88,11 +87,11 @@ def poll_once(comm: Communicator) -> None:
             comm._outstanding = [w for w in comm._outstanding if id(w) not in finished]
         if comm.error is None:
             for work in done:
-                work._succeeded()
+                work.succeeded()
     if late is not None:
-        comm.abort(timeout_error(
-            late.description, comm.timeout_s,
-            f"NCCL: spmd-nccl's watcher aborted the communicator of group {comm.group!r} (ncclCommAbort)",
+        comm.abort(TimeoutError(  # spmd words it for each op that fails with it (op, group, sequence number)
+            f"NCCL: an op of group {comm.group!r} outlived the group timeout ({comm.timeout_s:.1f} s); "
+            "spmd-nccl's watcher aborted the communicator (ncclCommAbort)"
         ))
 
 

@@ -26,7 +26,7 @@ pytest.importorskip("spmd_nccl", reason="spmd-nccl is not installed (pip install
 import torch.distributed as tdist  # noqa: E402
 
 import spmd
-from spmd.comm.work import WorkList
+from spmd.comm.work import NativeWorkAdapter, Work, WorkList
 from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError  # noqa: E402
 from spmd_nccl import backend as nb  # noqa: E402
 from spmd_nccl import communicator, library, mapping  # noqa: E402
@@ -167,11 +167,17 @@ def make(comms: list[nb.Communicator], lib: FakeLib, timeout_s: float = 30.0) ->
     return comm
 
 
-def all_reduce(comm: nb.Communicator, keep: object = None) -> nb.NcclWork:
+def all_reduce(comm: nb.Communicator, keep: object = None) -> NativeWorkAdapter:
+    """An all_reduce's handle, wrapped as spmd's kernel wraps it (``work.native`` is spmd-nccl's)."""
     def issue() -> None:
         comm.call("ncclAllReduce", 0x10, 0x10, 4, 7, 0, comm.handle, comm.stream_handle)
 
-    return comm.launch(issue, keep)
+    return Work.from_native(comm.launch(issue, keep))  # type: ignore[return-value]
+
+
+def post(comm: nb.Communicator, send: bool, nbytes: int) -> NativeWorkAdapter:
+    """A queued isend (or irecv) to rank 1, wrapped as the kernel wraps it."""
+    return Work.from_native(comm.post_p2p(send, torch.zeros(nbytes, dtype=torch.uint8), 1))  # type: ignore[return-value]
 
 
 def eventually(predicate: Any, timeout: float = 5.0) -> bool:
@@ -191,11 +197,11 @@ def test_an_op_waits_for_the_callers_stream_and_completes_with_its_event(cuda: F
     assert comm.stream.log[0] == ("wait_stream", "caller")  # ordered after the caller's work
     name, args = lib.issued()[0]
     assert name == "ncclAllReduce" and args[-1].value == comm.stream.cuda_stream  # on the internal stream
-    assert work._cuda_event is not None and work._cuda_event.stream is comm.stream
-    assert not work.is_completed() and work._keep_alive is keep  # the tensor is held while NCCL may use it
-    work._cuda_event.done = True
+    assert work.native.cuda_event is not None and work.native.cuda_event.stream is comm.stream
+    assert not work.is_completed() and work.native.keep_alive is keep  # the tensor is held while NCCL may use it
+    work.native.cuda_event.done = True
     assert eventually(work.is_completed)
-    assert work._keep_alive is None and work.exception() is None
+    assert work.native.keep_alive is None and work.exception() is None
     assert eventually(lambda: not comm._outstanding)  # the watcher dropped it too
 
 
@@ -205,16 +211,16 @@ def test_wait_without_timeout_is_a_stream_wait(cuda: FakeCuda, lib: FakeLib, com
     start = time.perf_counter()
     assert work.wait() is True
     assert time.perf_counter() - start < 0.5
-    assert cuda.caller.log == [("wait_event", work._cuda_event)]  # the caller's stream waits; the CPU does not
+    assert cuda.caller.log == [("wait_event", work.native.cuda_event)]  # the caller's stream waits; the CPU does not
     assert not work.is_completed()
 
 
 def test_the_watcher_completes_works_nobody_waits_for(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
     comm = make(comms, lib)
-    works = [all_reduce(comm) for _ in range(3)]
+    works = [all_reduce(comm).native for _ in range(3)]
     for work in works:
-        work._cuda_event.done = True
-    assert eventually(lambda: all(w._is_done for w in works))
+        work.cuda_event.done = True
+    assert eventually(lambda: all(w.done for w in works))
 
 
 def test_wait_with_timeout_aborts_and_raises_the_named_error(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
@@ -226,7 +232,7 @@ def test_wait_with_timeout_aborts_and_raises_the_named_error(cuda: FakeCuda, lib
         work.wait(timeout=0.2)
     assert 0.15 < time.perf_counter() - start < 3
     assert lib.names().count("ncclCommAbort") == 1 and comm.handle is None
-    assert isinstance(other.exception(), CollectiveTimeoutError)  # everything running on it failed too
+    assert other.is_completed() and isinstance(other.exception(), CollectiveTimeoutError)  # everything on it failed too
     with pytest.raises(CollectiveTimeoutError, match="was aborted after an earlier failure"):
         all_reduce(comm)
 
@@ -247,7 +253,7 @@ def test_an_async_nccl_error_aborts_and_fails_running_ops(cuda: FakeCuda, lib: F
     comm = make(comms, lib)
     work = all_reduce(comm)
     lib.async_states = [library.ncclRemoteError]
-    assert eventually(lambda: work._is_done)
+    assert eventually(work.is_completed)
     error = work.exception()
     assert isinstance(error, nb.NcclError) and error.code == library.ncclRemoteError
     assert "asynchronous error" in str(error)
@@ -261,7 +267,7 @@ def test_is_completed_queries_the_event(cuda: FakeCuda, lib: FakeLib, comms: lis
     comm._stopped = True  # no watcher: only is_completed() can notice
     work = all_reduce(comm)
     assert not work.is_completed()
-    work._cuda_event.done = True
+    work.native.cuda_event.done = True
     assert work.is_completed() and work.exception() is None
 
 
@@ -269,7 +275,7 @@ def test_wait_with_timeout_returns_once_the_event_completes(cuda: FakeCuda, lib:
     comm = make(comms, lib)
     comm._stopped = True
     work = all_reduce(comm)
-    threading.Timer(0.1, lambda: setattr(work._cuda_event, "done", True)).start()
+    threading.Timer(0.1, lambda: setattr(work.native.cuda_event, "done", True)).start()
     assert work.wait(timeout=5) is True
     assert comm.error is None
 
@@ -277,14 +283,14 @@ def test_wait_with_timeout_returns_once_the_event_completes(cuda: FakeCuda, lib:
 # -- point-to-point -----------------------------------------------------------------------------
 def test_p2p_is_queued_then_issued_as_one_group_on_wait(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
     comm = make(comms, lib)
-    send = comm.post_p2p(True, torch.zeros(8, dtype=torch.uint8), 1)
-    recv = comm.post_p2p(False, torch.zeros(4, dtype=torch.uint8), 1)
+    send = post(comm, True, 8)
+    recv = post(comm, False, 4)
     assert "ncclSend" not in lib.names()  # nothing issued yet: a ring of irecv-then-isend must not deadlock
     recv.wait()
     issued = lib.issued()
     assert [name for name, _ in issued[:4]] == ["ncclGroupStart", "ncclSend", "ncclRecv", "ncclGroupEnd"]
     assert issued[1][1][1] == 8 and issued[2][1][1] == 4  # byte counts
-    assert send._cuda_event is recv._cuda_event is not None
+    assert send.native.cuda_event is recv.native.cuda_event is not None
     waits = [entry for entry in comm.stream.log if entry[0] == "wait_event"]
     assert len(waits) == 2  # each op waited for what the caller's stream had when it was posted
 
@@ -292,7 +298,7 @@ def test_p2p_is_queued_then_issued_as_one_group_on_wait(cuda: FakeCuda, lib: Fak
 def test_the_watcher_flushes_p2p_nobody_waits_for(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
     comm = make(comms, lib)
     send = comm.post_p2p(True, torch.zeros(8, dtype=torch.uint8), 1)
-    assert eventually(lambda: send._cuda_event is not None)
+    assert eventually(lambda: send.cuda_event is not None)
     assert "ncclSend" in lib.names()
 
 
@@ -346,11 +352,11 @@ def test_group_end_runs_even_when_a_call_inside_fails(cuda: FakeCuda, lib: FakeL
     comm = make(comms, lib)
     comm._stopped = True
     lib.results["ncclSend"] = [library.ncclInvalidArgument]
-    work = comm.post_p2p(True, torch.zeros(8, dtype=torch.uint8), 1)
+    work = post(comm, True, 8)
     with pytest.raises(nb.NcclError):
         work.wait()
     assert lib.issued()[-1][0] == "ncclGroupEnd"  # NCCL's group depth is per thread: never leave it open
-    assert isinstance(work.exception(), nb.NcclError)
+    assert work.is_completed() and isinstance(work.exception(), nb.NcclError)
 
 
 # -- capture and teardown -------------------------------------------------------------------------------
@@ -358,10 +364,10 @@ def test_ops_captured_in_a_graph_are_not_tracked(cuda: FakeCuda, lib: FakeLib, c
     comm = make(comms, lib)
     cuda.capturing = True
     work = all_reduce(comm, torch.ones(2))
-    assert work._captured and work._keep_alive is None and not comm._outstanding
+    assert work.native.captured and work.native.keep_alive is None and not comm._outstanding
     work.wait()
     assert work.is_completed()  # "done" in a capture means: ordered before what follows
-    assert cuda.caller.log[-1] == ("wait_event", work._cuda_event)
+    assert cuda.caller.log[-1] == ("wait_event", work.native.cuda_event)
 
 
 def test_close_finalizes_then_destroys(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
@@ -559,10 +565,10 @@ def test_unsupported_pairs_fail_before_nccl(backend: nb.NcclBackend, lib: FakeLi
 def test_waiting_for_a_batch_issues_it(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
     """spmd's wait_all waits through callbacks: registering one issues the queued ops at once."""
     comm = make(comms, lib)
-    works = [comm.post_p2p(False, torch.zeros(4, dtype=torch.uint8), 1), comm.post_p2p(True, torch.zeros(4, dtype=torch.uint8), 1)]
+    works = [post(comm, False, 4), post(comm, True, 4)]
     batch = WorkList(list(works))
-    assert all(w._cuda_event is not None for w in works)
+    assert all(w.native.cuda_event is not None for w in works)
     assert [name for name, _ in lib.issued()] == ["ncclGroupStart", "ncclRecv", "ncclSend", "ncclGroupEnd"]
     for w in works:
-        w._cuda_event.done = True
+        w.native.cuda_event.done = True
     batch.wait(timeout=5)

@@ -85,9 +85,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"  {mark} {spec.name} [{', '.join(spec.devices)}] from {entry.plugin}, priority {spec.priority}: {state}")
         if spec.description:
             print(f"      {spec.description}")
-        native = sorted(spec.native_ops())
+        try:
+            cls = spec.backend_type()
+        except Exception as error:  # noqa: BLE001 - a broken class path is shown, not fatal
+            print(f"      capabilities unknown: backend_class {spec.backend_class!r} does not import ({error})")
+            continue
+        if cls is None:
+            print("      capabilities unknown: the spec names no backend_class")
+            continue
+        native = sorted(cls.native_ops())
         generic = [op for op in COLLECTIVE_OPS if op not in native and op != "split"]
-        print(f"      native: {', '.join(native) or 'none'}")
+        print(f"      native: {', '.join(native) or 'none'}; AVG: {'handled by the backend' if cls.supports_avg else 'run as SUM, then divided by the kernel'}")
         print(f"      generic (kernel algorithms over isend/irecv): {', '.join(generic) or 'none'}")
     from spmd.launch.environments import detect_launch
 

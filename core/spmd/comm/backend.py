@@ -22,15 +22,17 @@ a Work's private state, and ``tests/test_plugins.py`` checks that it does not):
   outstanding Work and aborts it through ``abort()``), the flight recorder,
   callbacks, futures, and errors that name the op, group and missing ranks.
 
-Capabilities: the collectives a Backend subclass overrides are native
-(``Backend.native_ops()``); a spec's ``capabilities`` repeats them so that
-``spmd doctor`` need not import the class. (``supports_avg`` is still a third,
-separate declaration.)
+Capabilities are declared in one place, the Backend subclass: the collectives
+it overrides are native (``Backend.native_ops()``), the rest generic, and its
+``supports_avg`` says whether it takes AVG. A spec points at that class
+(``backend_class``, as ``"module:Class"`` so that nothing heavy is imported
+before it is needed) for ``spmd doctor`` to read.
 """
 
 from __future__ import annotations
 
 import abc
+import importlib
 import queue
 import threading
 import time
@@ -99,7 +101,10 @@ class BackendSpec:
     factory: Callable[[BackendContext], Backend]
     priority: int = 0
     available: Callable[[], str | None] | None = None
-    capabilities: frozenset[str] | None = None
+    #: The Backend subclass ``factory`` builds, or its path ``"module:Class"`` (imported only
+    #: when asked, by ``spmd doctor``): its overrides and ``supports_avg`` are the backend's
+    #: capabilities. Not needed when ``factory`` is the class itself.
+    backend_class: type[Backend] | str | None = None
     description: str = ""
     overrides: bool = False
     #: ``precheck(ctx)``: None, or why this backend cannot serve ``ctx``'s group at all (a
@@ -111,13 +116,20 @@ class BackendSpec:
     #: for tools that launch jobs themselves (``spmd bench``); None means plain processes.
     launch: tuple[str, ...] | None = None
 
-    def native_ops(self) -> frozenset[str]:
-        """The collectives this backend implements natively (declared, or read off its class)."""
-        if self.capabilities is not None:
-            return self.capabilities
-        if isinstance(self.factory, type) and issubclass(self.factory, Backend):
-            return self.factory.native_ops()
-        return frozenset()
+    def backend_type(self) -> type[Backend] | None:
+        """The Backend subclass this spec builds (``backend_class``, or ``factory`` when it is one), or None."""
+        cls = self.backend_class
+        if isinstance(cls, str):
+            module, _, name = cls.partition(":")
+            cls = getattr(importlib.import_module(module), name)
+        if cls is None and isinstance(self.factory, type) and issubclass(self.factory, Backend):
+            cls = self.factory
+        return cls
+
+    def native_ops(self) -> frozenset[str] | None:
+        """The collectives this backend implements natively, read off its class; None if the spec names none."""
+        cls = self.backend_type()
+        return cls.native_ops() if cls is not None else None
 
     def unavailable_reason(self) -> str | None:
         """None if usable here, else why not."""

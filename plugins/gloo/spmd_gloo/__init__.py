@@ -21,12 +21,6 @@ def _factory(ctx: spmd.BackendContext) -> spmd.Backend:
     return GlooBackend(ctx)
 
 
-def _capabilities() -> frozenset[str]:
-    from spmd_gloo.backend import GlooBackend
-
-    return GlooBackend.native_ops()
-
-
 @spmd.hookimpl
 def spmd_backends() -> Iterable[spmd.BackendSpec]:
     return [
@@ -36,7 +30,7 @@ def spmd_backends() -> Iterable[spmd.BackendSpec]:
             factory=_factory,
             priority=10,
             available=_available,
-            capabilities=_capabilities(),
+            backend_class="spmd_gloo.backend:GlooBackend",
             description="Gloo over TCP (torch's ProcessGroupGloo); the default CPU backend",
         )
     ]

@@ -61,12 +61,6 @@ def _precheck(ctx: spmd.BackendContext) -> str | None:
     return world_mismatch(library.MPI, ctx)
 
 
-def _capabilities() -> frozenset[str]:
-    from spmd_mpi.backend import MpiBackend
-
-    return MpiBackend.native_ops()
-
-
 def priority() -> int:
     """20 (above Gloo's 10) in a process that mpiexec started, else 5 (below it).
 
@@ -88,7 +82,7 @@ def spmd_backends() -> Iterable[spmd.BackendSpec]:
             priority=priority(),
             available=_available,
             precheck=_precheck,
-            capabilities=_capabilities(),
+            backend_class="spmd_mpi.backend:MpiBackend",
             description=probe.describe(),
             launch=probe.launch_prefix("{nproc}"),  # how tools such as `spmd bench` start MPI ranks
         )

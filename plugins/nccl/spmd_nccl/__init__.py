@@ -11,12 +11,6 @@ from collections.abc import Iterable
 
 import spmd
 
-#: The collectives NcclBackend implements natively (kept in step with backend.py by a test),
-#: declared here so that listing the plugin does not import torch.cuda machinery.
-NATIVE_OPS = frozenset({
-    "all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
-    "all_to_all_single", "gather", "scatter", "barrier", "split",
-})
 #: Where a missing library or plugin comes from.
 INSTALL = "pip install -e plugins/nccl (or: pip install 'spmd[nccl]'), which brings nvidia-nccl-cu12"
 
@@ -64,7 +58,7 @@ def spmd_backends() -> Iterable[spmd.BackendSpec]:
             factory=_factory,
             priority=50,
             available=_available,
-            capabilities=NATIVE_OPS,
+            backend_class="spmd_nccl.backend:NcclBackend",
             description="NVIDIA NCCL through ctypes (no build step): " + library_summary(),
         )
     ]

@@ -87,6 +87,26 @@ def test_without_restarts_the_agent_exits_fast_naming_rank_and_signal():
     assert elapsed < 60, elapsed
 
 
+def test_a_worker_killed_by_a_signal_is_named_before_those_that_exited_after_it(monkeypatch):
+    """On a loaded machine rank 0 may exit (its collective broke) before the agent looks at rank 1,
+    which was SIGKILLed: the agent must still name rank 1's signal as the failure, not rank 0's exit."""
+    import types
+
+    from spmd.launch.workers import WorkerGroup
+
+    def worker(rank, code):
+        return types.SimpleNamespace(rank=rank, proc=types.SimpleNamespace(poll=lambda: code))
+
+    group = WorkerGroup.__new__(WorkerGroup)
+    monkeypatch.setattr(group, "_failure", lambda w, code: (w.rank, code), raising=False)
+    group.workers = [worker(0, 1), worker(1, -signal.SIGKILL), worker(2, None)]
+    assert group.poll() == (False, (1, -signal.SIGKILL))
+    group.workers = [worker(0, None), worker(1, 2), worker(2, 1)]
+    assert group.poll() == (False, (1, 2))  # no signal: the lowest rank that failed
+    group.workers = [worker(0, 0), worker(1, 0)]
+    assert group.poll() == (True, None)
+
+
 def test_python_error_summary_shows_the_traceback():
     out = subprocess.run([*SPMD, "run", "--nproc-per-node", "2", str(SCRIPTS / "raise_error.py")], env=clean_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 1

@@ -215,14 +215,24 @@ class WorkerGroup:
             worker.threads.append(thread)
 
     def poll(self) -> tuple[bool, Failure | None]:
-        """(all exited successfully, first failure if any)."""
+        """(all exited successfully, the failure to report if any).
+
+        When several workers have failed by the time of a poll, one killed by a
+        signal is reported before those that exited with an error: the others
+        most likely exited because it died (a peer's collective broke), and on
+        a loaded machine they are gone before the agent looks.
+        """
         all_done = True
+        failed: list[tuple[Worker, int]] = []
         for worker in self.workers:
             code = worker.proc.poll()
             if code is None:
                 all_done = False
             elif code != 0:
-                return False, self._failure(worker, code)
+                failed.append((worker, code))
+        if failed:
+            worker, code = min(failed, key=lambda item: item[1] > 0)  # signals (code < 0) first, then rank order
+            return False, self._failure(worker, code)
         return all_done, None
 
     def _failure(self, worker: Worker, code: int) -> Failure:

@@ -69,19 +69,23 @@ def _phase(report: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
 
 
 def _conformance(worlds: Worlds, n: int, shapes: tuple[str, ...]) -> dict[str, list[str]]:
+    """The shared conformance suite on CUDA tensors, then spmd-nccl's own checks."""
+    from spmd.testing.conformance.checks import CHECKS
+    from spmd.testing.conformance.suite import run_cases
     from spmd_nccl import gpu_checks
 
+    runs = [(f"{op}/{shape}", run_cases, (op, shape, "cuda")) for shape in shapes for op in CHECKS]
+    runs.append(("nccl-only", gpu_checks.run_nccl_checks, ()))
     failures: dict[str, list[str]] = {}
-    for shape in shapes:
-        for op in gpu_checks.CHECKS:
-            try:
-                per_rank = worlds.get(n).run(gpu_checks.run_cases, op, shape, timeout=300)
-                found = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-            except AssertionError as error:  # RankFailure / WorldTimeout
-                found = [f"{type(error).__name__}: {str(error)[:3000]}"]
-            print(f"   {op}/{shape}: {'ok' if not found else f'{len(found)} failures'}", flush=True)
-            if found:
-                failures[f"{op}/{shape}"] = found[:40]
+    for name, fn, args in runs:
+        try:
+            per_rank = worlds.get(n).run(fn, *args, timeout=300)
+            found = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+        except AssertionError as error:  # RankFailure / WorldTimeout
+            found = [f"{type(error).__name__}: {str(error)[:3000]}"]
+        print(f"   {name}: {'ok' if not found else f'{len(found)} failures'}", flush=True)
+        if found:
+            failures[name] = found[:40]
     if failures:
         raise AssertionError(json.dumps(failures, indent=1)[:20000])
     return failures
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import spmd_nccl
+    from spmd.testing.conformance import GROUP_SHAPES
     from spmd_nccl import gpu_checks
 
     if not torch.cuda.is_available():
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                lambda: worlds.get(1).run(gpu_checks.check_kernel_staging)[0])
         if n > 1:
             if not args.skip_conformance:
-                _phase(report, f"conformance, {n} ranks", lambda: _conformance(worlds, n, gpu_checks.GROUP_SHAPES))
+                _phase(report, f"conformance, {n} ranks", lambda: _conformance(worlds, n, GROUP_SHAPES))
             _phase(report, f"stream semantics, {n} ranks", lambda: worlds.get(n).run(gpu_checks.check_stream_semantics))
             _phase(report, f"CUDA graph capture, {n} ranks", lambda: worlds.get(n).run(gpu_checks.check_cuda_graph))
             _phase(report, f"sub-groups, {n} ranks", lambda: worlds.get(n).run(gpu_checks.check_split_origin))

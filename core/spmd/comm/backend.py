@@ -209,6 +209,15 @@ class Backend(abc.ABC):
     def size(self) -> int:
         return self.ctx.size
 
+    def supports_reduction(self, dtype: torch.dtype, op: ReduceOp) -> bool:
+        """Whether this backend reduces ``dtype`` with ``op`` (default: every pair spmd accepts).
+
+        A backend whose library lacks some pairs (NCCL has no bitwise reductions,
+        for instance) returns False for them and raises a clear error when one is
+        asked for; the conformance suite skips them.
+        """
+        return True
+
     @classmethod
     def native_ops(cls) -> frozenset[str]:
         """The collectives this class overrides (the rest are the kernel's generic ones)."""

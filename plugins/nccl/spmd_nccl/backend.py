@@ -35,7 +35,7 @@ from spmd_nccl.cuda import (
     on_device,
 )
 from spmd_nccl.errors import NcclError
-from spmd_nccl.mapping import BYTES, reduction
+from spmd_nccl.mapping import BYTES, UnsupportedReduction, reduction
 from spmd_nccl.work import NcclWork
 
 __all__ = [
@@ -137,6 +137,13 @@ class NcclBackend(Backend):
         return comm.post_p2p(False, _bytes(tensor), src)
 
     # -- reductions ----------------------------------------------------------------------------------
+    def supports_reduction(self, dtype: torch.dtype, op: ReduceOp) -> bool:
+        try:
+            reduction(dtype, op, self.lib.version)
+        except UnsupportedReduction:
+            return False
+        return True
+
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work | NativeWork:
         comm = self._prepare("all_reduce", tensor)
         plan = reduction(tensor.dtype, op, self.lib.version)

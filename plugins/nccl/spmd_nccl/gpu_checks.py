@@ -1,10 +1,10 @@
-"""The backend conformance cases on CUDA tensors, for spmd-nccl on a GPU machine.
+"""What only spmd-nccl has, checked on a GPU machine: stream semantics, CUDA graphs, splits, timeouts.
 
-spmd's conformance suite (``spmd.testing.conformance``) builds CPU tensors.
-These checks reuse its seeded inputs and oracle but move every input to the
-rank's GPU, run it through spmd's public API on a group whose CUDA backend is
-NCCL, and compare on the host. Reductions NCCL cannot do must raise
-``UnsupportedReduction`` at the call; the rest must match the oracle.
+The collectives' results on CUDA tensors are the shared conformance suite's
+(``spmd.testing.conformance``, run with ``device = "cuda"`` by
+``plugins/nccl/tests/test_nccl_gpu.py``); these are the checks beside it:
+unsupported reductions raise at the call, the backend's own gather and
+barrier, and the GPU-only behaviour below.
 
 Every function here runs on every rank of a World (``spmd.testing.World(n,
 "cpu:gloo,cuda:nccl")``), pinned to GPU ``rank % device_count`` by ``use_gpu``.
@@ -28,20 +28,12 @@ from spmd.errors import CollectiveError, CollectiveTimeoutError
 from spmd.testing.conformance.checks import Recorder
 from spmd.testing.conformance.data import (
     DATA_DTYPES,
-    LARGE_DTYPES,
-    LARGE_SHAPE,
     REDUCE_DTYPES,
-    SHAPES,
-    check_reduced,
-    expected_reduce,
     make_input,
     same_bytes,
     valid_ops,
 )
-from spmd_nccl import library
-from spmd_nccl.mapping import UnsupportedReduction, reduction
-
-GROUP_SHAPES = ("world", "subset", "split")
+from spmd_nccl.mapping import UnsupportedReduction
 
 
 def use_gpu() -> torch.device:
@@ -51,25 +43,8 @@ def use_gpu() -> torch.device:
     return torch.device("cuda", index)
 
 
-def _supported(dtype: torch.dtype, op: ReduceOp) -> bool:
-    try:
-        reduction(dtype, op, library.load().version)
-    except UnsupportedReduction:
-        return False
-    return True
-
-
-def _done(work: spmd.Work | None) -> None:
-    if work is not None:
-        work.wait()
-
-
-def _host(t: torch.Tensor) -> torch.Tensor:
-    return t.cpu()  # a copy on the current stream, which wait() ordered after the op
-
-
 def _expect_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    if not same_bytes(_host(actual), expected):
+    if not same_bytes(actual, expected):  # (compared on the host, after wait() ordered the copy)
         raise AssertionError(f"{what}: data differs from the source")
 
 
@@ -81,17 +56,19 @@ def _zeros(like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like).cuda()  # built on the host: every dtype, float8 and uint64 too
 
 
-# -- reductions ----------------------------------------------------------------------------
-def check_all_reduce(g: ProcessGroup, rec: Recorder) -> None:
-    cases = [(d, op, s) for d in REDUCE_DTYPES for op in valid_ops(d) for s in SHAPES]
-    cases += [(d, op, LARGE_SHAPE) for d in LARGE_DTYPES for op in (ReduceOp.SUM, ReduceOp.MAX)]
-    for dtype, op, shape in cases:
-        key = f"all_reduce/{dtype}/{op.name}/{shape}"
-        inputs = [make_input(i, key, shape, dtype, op) for i in range(g.size)]
+# -- what only NCCL has: checks beside the shared suite -------------------------------------------------
+def check_unsupported_reductions_raise(g: ProcessGroup, rec: Recorder) -> None:
+    """A pair NCCL cannot reduce (``supports_reduction`` False; the shared suite skips it) raises
+    UnsupportedReduction naming the dtype and op at the call, instead of reaching NCCL."""
+    backend = g.backend("cuda")
+    for dtype in REDUCE_DTYPES:
+        for op in valid_ops(dtype):
+            if backend.supports_reduction(dtype, op):
+                continue
+            key = f"all_reduce/{dtype}/{op.name}/unsupported"
 
-        def body(async_op: bool, inputs=inputs, op=op, key=key, dtype=dtype) -> None:  # type: ignore[no-untyped-def]
-            t = inputs[g.rank].cuda()
-            if not _supported(dtype, op):
+            def body(async_op: bool, dtype=dtype, op=op, key=key) -> None:  # type: ignore[no-untyped-def]
+                t = make_input(g.rank, key, (7,), dtype, op).cuda()
                 try:
                     spmd.all_reduce(t, op, group=g, async_op=async_op)
                 except UnsupportedReduction as error:
@@ -99,111 +76,8 @@ def check_all_reduce(g: ProcessGroup, rec: Recorder) -> None:
                         raise AssertionError(f"{key}: the error does not name the pair: {error}") from error
                     return
                 raise AssertionError(f"{key}: NCCL cannot do this pair, but no UnsupportedReduction was raised")
-            _done(spmd.all_reduce(t, op, group=g, async_op=async_op))
-            check_reduced(_host(t), expected_reduce(inputs, op), key)
 
-        rec.case(key, body)
-
-
-def check_reduce(g: ProcessGroup, rec: Recorder) -> None:
-    for dtype, root in itertools.product(REDUCE_DTYPES, _roots(g.size)):
-        for op in [op for op in valid_ops(dtype) if _supported(dtype, op)]:
-            for shape in [(7,), (3, 5), (0,)]:
-                key = f"reduce/{dtype}/{op.name}/{shape}/root{root}"
-                inputs = [make_input(i, key, shape, dtype, op) for i in range(g.size)]
-
-                def body(async_op: bool, inputs=inputs, op=op, key=key, root=root) -> None:  # type: ignore[no-untyped-def]
-                    t = inputs[g.rank].cuda()
-                    _done(spmd.reduce(t, group_dst=root, op=op, group=g, async_op=async_op))
-                    if g.rank == root:
-                        check_reduced(_host(t), expected_reduce(inputs, op), key)
-                    elif not torch.equal(_host(t), inputs[g.rank]):
-                        raise AssertionError(f"{key}: a non-root rank's tensor changed")
-
-                rec.case(key, body)
-
-
-def check_reduce_scatter_tensor(g: ProcessGroup, rec: Recorder) -> None:
-    n = g.size
-    for dtype in REDUCE_DTYPES:
-        for op in [op for op in valid_ops(dtype) if _supported(dtype, op)]:
-            for rows, stacked in [(0, False), (1, False), (5, False), (2, True)]:
-                key = f"reduce_scatter_tensor/{dtype}/{op.name}/{rows}/{stacked}"
-                shape = (n, rows, 3) if stacked else (n * rows, 3)
-                inputs = [make_input(i, key, shape, dtype, op) for i in range(n)]
-
-                def body(async_op: bool, inputs=inputs, op=op, key=key, rows=rows) -> None:  # type: ignore[no-untyped-def]
-                    out = _zeros(torch.zeros((rows, 3), dtype=inputs[0].dtype))
-                    _done(spmd.reduce_scatter_tensor(out, inputs[g.rank].cuda(), op, group=g, async_op=async_op))
-                    check_reduced(_host(out), expected_reduce(inputs, op).reshape(n, rows, 3)[g.rank], key)
-
-                rec.case(key, body)
-
-
-# -- data movement -----------------------------------------------------------------------------
-def check_broadcast(g: ProcessGroup, rec: Recorder) -> None:
-    cases = [(d, r, s) for d, r, s in itertools.product(DATA_DTYPES, _roots(g.size), SHAPES)]
-    cases += [(d, 0, LARGE_SHAPE) for d in LARGE_DTYPES]
-    for dtype, root, shape in cases:
-        key = f"broadcast/{dtype}/{shape}/root{root}"
-        source = make_input(root, key, shape, dtype)
-
-        def body(async_op: bool, source=source, root=root, key=key) -> None:  # type: ignore[no-untyped-def]
-            t = source.cuda() if g.rank == root else _zeros(source)
-            _done(spmd.broadcast(t, group_src=root, group=g, async_op=async_op))
-            _expect_bytes(t, source, key)
-
-        rec.case(key, body)
-
-
-def check_all_gather_into_tensor(g: ProcessGroup, rec: Recorder) -> None:
-    cases = [(d, s, st) for d in DATA_DTYPES for s in SHAPES for st in (False, True)]
-    cases += [(d, LARGE_SHAPE, False) for d in LARGE_DTYPES]
-    for dtype, shape, stack in cases:
-        key = f"all_gather_into_tensor/{dtype}/{shape}/stack={stack}"
-        inputs = [make_input(i, key, shape, dtype) for i in range(g.size)]
-        expected = torch.stack(inputs) if stack else torch.cat(inputs)
-
-        def body(async_op: bool, inputs=inputs, expected=expected, key=key) -> None:  # type: ignore[no-untyped-def]
-            out = _zeros(expected)
-            _done(spmd.all_gather_into_tensor(out, inputs[g.rank].cuda(), group=g, async_op=async_op))
-            _expect_bytes(out, expected, key)
-
-        rec.case(key, body)
-
-
-def check_all_to_all_single(g: ProcessGroup, rec: Recorder) -> None:
-    n, r = g.size, g.rank
-    for dtype, uneven in itertools.product(DATA_DTYPES, (False, True)):
-        key = f"all_to_all_single/{dtype}/uneven={uneven}"
-        splits = [[(i + 2 * j) % 3 for j in range(n)] for i in range(n)] if uneven else [[2] * n for _ in range(n)]
-        inputs = [make_input(i, key, (sum(splits[i]), 4), dtype) for i in range(n)]
-        blocks = [list(inputs[i].split(splits[i])) for i in range(n)]
-        expected = torch.cat([blocks[j][r] for j in range(n)])
-
-        def body(async_op: bool, inputs=inputs, splits=splits, expected=expected, key=key, uneven=uneven) -> None:  # type: ignore[no-untyped-def]
-            out = _zeros(expected)
-            in_splits = splits[r] if uneven else None
-            out_splits = [splits[j][r] for j in range(n)] if uneven else None
-            _done(spmd.all_to_all_single(out, inputs[r].cuda(), out_splits, in_splits, group=g, async_op=async_op))
-            _expect_bytes(out, expected, key)
-
-        rec.case(key, body)
-
-
-def check_scatter(g: ProcessGroup, rec: Recorder) -> None:
-    n = g.size
-    for dtype, root, shape in itertools.product(DATA_DTYPES, _roots(n), [(0,), (3, 5)]):
-        key = f"scatter/{dtype}/{shape}/root{root}"
-        pieces = [make_input(i, key, shape, dtype) for i in range(n)]
-
-        def body(async_op: bool, pieces=pieces, root=root, key=key) -> None:  # type: ignore[no-untyped-def]
-            out = _zeros(pieces[0])
-            chunks = [p.cuda() for p in pieces] if g.rank == root else None
-            _done(spmd.scatter(out, chunks, group_src=root, group=g, async_op=async_op))
-            _expect_bytes(out, pieces[g.rank], key)
-
-        rec.case(key, body)
+            rec.case(key, body)
 
 
 def check_backend_gather(g: ProcessGroup, rec: Recorder) -> None:
@@ -240,89 +114,24 @@ def check_barrier(g: ProcessGroup, rec: Recorder) -> None:
         rec.case(key, body)
 
 
-def check_p2p(g: ProcessGroup, rec: Recorder) -> None:
-    """Ring exchange (irecv first, then isend), batch_isend_irecv, and five ordered messages."""
-    n, r = g.size, g.rank
-    if n == 1:
-        return
-    right, left = (r + 1) % n, (r - 1) % n
-    for dtype, shape in itertools.product(DATA_DTYPES, SHAPES):
-        key = f"p2p/{dtype}/{shape}"
-        inputs = [make_input(i, key, shape, dtype) for i in range(n)]
-
-        def body(async_op: bool, inputs=inputs, key=key) -> None:  # type: ignore[no-untyped-def]
-            got = _zeros(inputs[0])
-            mine = inputs[r].cuda()
-            if async_op:
-                works = spmd.batch_isend_irecv([
-                    spmd.P2POp(spmd.isend, mine, group_peer=right, group=g),
-                    spmd.P2POp(spmd.irecv, got, group_peer=left, group=g),
-                ])
-                for w in works:
-                    w.wait()
-            else:
-                recv = spmd.irecv(got, group=g, group_src=left)
-                spmd.isend(mine, group=g, group_dst=right).wait()
-                recv.wait()
-            _expect_bytes(got, inputs[left], key)
-
-        rec.case(key, body)
-
-    def ordered(async_op: bool) -> None:
-        sends = [spmd.isend(torch.full((4,), float(k), device="cuda"), group=g, group_dst=right) for k in range(5)]
-        got = [torch.zeros(4, device="cuda") for _ in range(5)]
-        for k in range(5):
-            spmd.recv(got[k], group=g, group_src=left)
-        for w in sends:
-            w.wait()
-        firsts = [int(t[0].item()) for t in got]
-        if firsts != list(range(5)):
-            raise AssertionError(f"messages arrived out of order: {firsts}")
-
-    rec.case("p2p/order", ordered)
-
-
-CHECKS: dict[str, Callable[[ProcessGroup, Recorder], None]] = {
-    "all_reduce": check_all_reduce,
-    "reduce": check_reduce,
-    "reduce_scatter_tensor": check_reduce_scatter_tensor,
-    "broadcast": check_broadcast,
-    "all_gather_into_tensor": check_all_gather_into_tensor,
-    "all_to_all_single": check_all_to_all_single,
-    "scatter": check_scatter,
+#: Checks of spmd-nccl itself (the collectives' results are the shared suite's: see test_nccl_gpu.py).
+NCCL_CHECKS: dict[str, Callable[[ProcessGroup, Recorder], None]] = {
+    "unsupported_reductions": check_unsupported_reductions_raise,
     "backend_gather": check_backend_gather,
     "barrier": check_barrier,
-    "p2p": check_p2p,
 }
 
 
-def _make_group(shape: str) -> ProcessGroup | object:
-    n, r = spmd.get_world_size(), spmd.get_rank()
-    if shape == "world":
-        return get_state().world
-    if shape == "subset":
-        return spmd.new_group(list(range(1, n)))
-    if shape == "split":
-        return spmd.split_group(color=r % 2, key=-r)
-    raise ValueError(f"unknown group shape {shape!r}; choose from {GROUP_SHAPES}")
-
-
-def run_cases(op: str, shape: str) -> list[str]:
-    """On one rank: pin the GPU, build the group, run every case of ``op``; return the failures."""
+def run_nccl_checks() -> list[str]:
+    """On every rank: pin the GPU and run NCCL_CHECKS on the world group; return the failures."""
     use_gpu()
-    group = _make_group(shape)
-    if group is NON_GROUP_MEMBER:
-        return []
-    assert isinstance(group, ProcessGroup)
     recorder = Recorder()
+    group = get_state().world
     try:
-        CHECKS[op](group, recorder)
+        for check in NCCL_CHECKS.values():
+            check(group, recorder)
     finally:
         torch.cuda.synchronize()
-        if group is not get_state().world:
-            spmd.destroy_process_group(group)  # frees its NCCL communicator (and GPU memory)
-    if recorder.count == 0 and not (op == "p2p" and group.size == 1):
-        return [f"{op}: no cases ran"]
     return recorder.failures
 
 

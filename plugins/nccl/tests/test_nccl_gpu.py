@@ -1,8 +1,10 @@
-"""spmd-nccl on real GPUs: the conformance cases on CUDA tensors, stream semantics, graphs, splits, timeouts.
+"""spmd-nccl on real GPUs: the shared conformance suite on CUDA tensors, then what only NCCL has
+(unsupported reductions, its own gather and barrier, stream semantics, graphs, splits, timeouts).
 
-Skipped as a whole where no CUDA device is visible; cases that need more GPUs
-than are visible are skipped with the count. Each rank of a World runs on GPU
-``rank % device_count`` (NCCL needs one GPU per rank of a communicator).
+Skipped as a whole where no CUDA device is visible; world sizes that need more
+GPUs than are visible are left out (the conformance class) or skipped with the
+count. Each rank of a World runs on GPU ``local rank % device_count`` (NCCL needs
+one GPU per rank of a communicator).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 pytest.importorskip("spmd_nccl", reason="spmd-nccl is not installed (pip install -e plugins/nccl)")
 
+from spmd.testing.conformance import BackendConformance  # noqa: E402
 from spmd_nccl import gpu_checks  # noqa: E402
 from spmd_nccl.backend import cuda_unavailable_reason  # noqa: E402
 
@@ -20,14 +23,15 @@ if not torch.cuda.is_available():
 
 BACKEND = "cpu:gloo,cuda:nccl"  # object collectives and spmd.barrier stay on Gloo
 GPUS = torch.cuda.device_count()
-WORLD_SIZES = (1, 2, 4)
-CASES = [
-    (ws, op, shape)
-    for ws in WORLD_SIZES
-    for shape in gpu_checks.GROUP_SHAPES
-    if shape == "world" or ws > 1
-    for op in gpu_checks.CHECKS
-]
+
+
+class TestNcclConformance(BackendConformance):
+    """The suite every backend passes, on this rank's GPU."""
+
+    backend = BACKEND
+    device = "cuda"
+    world_sizes = tuple(n for n in (1, 2, 4) if n <= GPUS)
+    run_timeout = 300.0
 
 
 def _world(spmd_world, n: int):  # type: ignore[no-untyped-def]
@@ -36,9 +40,9 @@ def _world(spmd_world, n: int):  # type: ignore[no-untyped-def]
     return spmd_world(n, BACKEND)
 
 
-@pytest.mark.parametrize(("ws", "op", "shape"), CASES, ids=[f"w{ws}-{op}-{shape}" for ws, op, shape in CASES])
-def test_gpu_conformance(spmd_world, ws: int, op: str, shape: str) -> None:  # type: ignore[no-untyped-def]
-    per_rank = _world(spmd_world, ws).run(gpu_checks.run_cases, op, shape, timeout=300)
+@pytest.mark.parametrize("ws", (1, 2))
+def test_what_only_nccl_has(spmd_world, ws: int) -> None:  # type: ignore[no-untyped-def]
+    per_rank = _world(spmd_world, ws).run(gpu_checks.run_nccl_checks, timeout=300)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])
 

@@ -34,11 +34,37 @@ from spmd.testing.conformance.data import (
 
 
 class Recorder:
-    """Runs cases, alternating sync and async calls, and keeps their failures."""
+    """Runs cases, alternating sync and async calls, and keeps their failures.
 
-    def __init__(self) -> None:
+    ``device`` is where the cases' tensors live (the device of the backend under
+    test); ``reduces(dtype, op)`` says which reductions that backend takes
+    (``Backend.supports_reduction``): the others are not its to run.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", reduces: Callable[[torch.dtype, ReduceOp], bool] | None = None) -> None:
         self.failures: list[str] = []
         self.count = 0
+        self.device = torch.device(device)
+        self.reduces: Callable[[torch.dtype, ReduceOp], bool] = reduces or (lambda dtype, op: True)
+
+    def put(self, host: torch.Tensor) -> torch.Tensor:
+        """A copy of host tensor ``host`` on the device under test."""
+        return host.to(self.device, copy=True)
+
+    def strided(self, host: torch.Tensor) -> torch.Tensor:
+        """A non-contiguous tensor on the device under test equal to ``host``."""
+        return strided(host, self.device)
+
+    def zeros_like(self, like: torch.Tensor) -> torch.Tensor:
+        """Zeros shaped like host tensor ``like``, on the device (made on the host: every dtype)."""
+        return torch.zeros_like(like).to(self.device)
+
+    def zeros(self, shape: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype).to(self.device)
+
+    def reductions(self, dtype: torch.dtype) -> tuple[ReduceOp, ...]:
+        """The reduce ops the suite checks on ``dtype`` with this backend."""
+        return tuple(op for op in valid_ops(dtype) if self.reduces(dtype, op))
 
     def next_async(self) -> bool:
         self.count += 1
@@ -74,14 +100,14 @@ def _roots(n: int) -> list[int]:
 
 # -- reductions ----------------------------------------------------------------------
 def check_all_reduce(g: ProcessGroup, rec: Recorder) -> None:
-    cases = [(d, op, s, nc) for d in REDUCE_DTYPES for op in valid_ops(d) for s, nc in _layouts()]
-    cases += [(d, op, LARGE_SHAPE, False) for d in LARGE_DTYPES for op in (ReduceOp.SUM, ReduceOp.MAX)]
+    cases = [(d, op, s, nc) for d in REDUCE_DTYPES for op in rec.reductions(d) for s, nc in _layouts()]
+    cases += [(d, op, LARGE_SHAPE, False) for d in LARGE_DTYPES for op in (ReduceOp.SUM, ReduceOp.MAX) if rec.reduces(d, op)]
     for dtype, op, shape, noncontig in cases:
         key = f"all_reduce/{dtype}/{op.name}/{shape}/{noncontig}"
         inputs = [make_input(i, key, shape, dtype, op) for i in range(g.size)]
 
         def body(async_op: bool, inputs: list[torch.Tensor] = inputs, op: ReduceOp = op, noncontig: bool = noncontig, key: str = key) -> None:
-            t = strided(inputs[g.rank]) if noncontig else inputs[g.rank].clone()
+            t = rec.strided(inputs[g.rank]) if noncontig else rec.put(inputs[g.rank])
             _done(spmd.all_reduce(t, op, group=g, async_op=async_op))
             check_reduced(t, expected_reduce(inputs, op), key)
 
@@ -90,13 +116,13 @@ def check_all_reduce(g: ProcessGroup, rec: Recorder) -> None:
 
 def check_reduce(g: ProcessGroup, rec: Recorder) -> None:
     for dtype, root in itertools.product(REDUCE_DTYPES, _roots(g.size)):
-        for op in valid_ops(dtype):
+        for op in rec.reductions(dtype):
             for shape, noncontig in [((7,), False), ((3, 5), True), ((0,), False)]:
                 key = f"reduce/{dtype}/{op.name}/{shape}/{noncontig}/root{root}"
                 inputs = [make_input(i, key, shape, dtype, op) for i in range(g.size)]
 
                 def body(async_op: bool, inputs=inputs, op=op, noncontig=noncontig, key=key, root=root) -> None:  # type: ignore[no-untyped-def]
-                    t = strided(inputs[g.rank]) if noncontig else inputs[g.rank].clone()
+                    t = rec.strided(inputs[g.rank]) if noncontig else rec.put(inputs[g.rank])
                     _done(spmd.reduce(t, group_dst=root, op=op, group=g, async_op=async_op))
                     if g.rank == root:
                         check_reduced(t, expected_reduce(inputs, op), key)
@@ -107,26 +133,26 @@ def check_reduce(g: ProcessGroup, rec: Recorder) -> None:
 def check_reduce_scatter_tensor(g: ProcessGroup, rec: Recorder) -> None:
     n = g.size
     for dtype in REDUCE_DTYPES:
-        for op in valid_ops(dtype):
+        for op in rec.reductions(dtype):
             for rows, stacked in [(0, False), (1, False), (5, False), (2, True)]:
                 key = f"reduce_scatter_tensor/{dtype}/{op.name}/{rows}/{stacked}"
                 shape = (n, rows, 3) if stacked else (n * rows, 3)
                 inputs = [make_input(i, key, shape, dtype, op) for i in range(n)]
 
                 def body(async_op: bool, inputs=inputs, op=op, key=key, rows=rows, stacked=stacked) -> None:  # type: ignore[no-untyped-def]
-                    out = torch.zeros((rows, 3), dtype=inputs[0].dtype)
-                    _done(spmd.reduce_scatter_tensor(out, inputs[g.rank], op, group=g, async_op=async_op))
+                    out = rec.zeros((rows, 3), inputs[0].dtype)
+                    _done(spmd.reduce_scatter_tensor(out, rec.put(inputs[g.rank]), op, group=g, async_op=async_op))
                     full = expected_reduce(inputs, op).reshape(n, rows, 3)
                     check_reduced(out, full[g.rank], key)
 
                 rec.case(key, body)
-    for dtype in LARGE_DTYPES:
+    for dtype in (d for d in LARGE_DTYPES if rec.reduces(d, ReduceOp.SUM)):
         key = f"reduce_scatter_tensor/{dtype}/SUM/large"
         inputs = [make_input(i, key, (n * 20000,), dtype) for i in range(n)]
 
         def large(async_op: bool, inputs=inputs, key=key) -> None:  # type: ignore[no-untyped-def]
-            out = torch.zeros(20000, dtype=inputs[0].dtype)
-            _done(spmd.reduce_scatter_tensor(out, inputs[g.rank], ReduceOp.SUM, group=g, async_op=async_op))
+            out = rec.zeros(20000, inputs[0].dtype)
+            _done(spmd.reduce_scatter_tensor(out, rec.put(inputs[g.rank]), ReduceOp.SUM, group=g, async_op=async_op))
             check_reduced(out, expected_reduce(inputs, ReduceOp.SUM).chunk(n)[g.rank], key)
 
         rec.case(key, large)
@@ -135,13 +161,13 @@ def check_reduce_scatter_tensor(g: ProcessGroup, rec: Recorder) -> None:
 def check_reduce_scatter(g: ProcessGroup, rec: Recorder) -> None:
     n = g.size
     for dtype in (torch.float32, torch.int64, torch.bool, torch.bfloat16):
-        for op in valid_ops(dtype)[:3]:
+        for op in rec.reductions(dtype)[:3]:
             key = f"reduce_scatter/{dtype}/{op.name}"
             inputs = [[make_input(i, f"{key}/{j}", (2, 3), dtype, op) for j in range(n)] for i in range(n)]
 
             def body(async_op: bool, inputs=inputs, op=op, key=key, dtype=dtype) -> None:  # type: ignore[no-untyped-def]
-                out = torch.zeros((2, 3), dtype=dtype)
-                _done(spmd.reduce_scatter(out, inputs[g.rank], op, group=g, async_op=async_op))
+                out = rec.zeros((2, 3), dtype)
+                _done(spmd.reduce_scatter(out, [rec.put(x) for x in inputs[g.rank]], op, group=g, async_op=async_op))
                 check_reduced(out, expected_reduce([inputs[i][g.rank] for i in range(n)], op), key)
 
             rec.case(key, body)
@@ -154,8 +180,8 @@ def check_broadcast(g: ProcessGroup, rec: Recorder) -> None:
         source = make_input(root, key, shape, dtype)
 
         def body(async_op: bool, source=source, root=root, noncontig=noncontig, key=key) -> None:  # type: ignore[no-untyped-def]
-            mine = source.clone() if g.rank == root else torch.zeros_like(source)
-            t = strided(mine) if noncontig else mine
+            mine = source if g.rank == root else torch.zeros_like(source)
+            t = rec.strided(mine) if noncontig else rec.put(mine)
             _done(spmd.broadcast(t, group_src=root, group=g, async_op=async_op))
             _expect_bytes(t, source, key)
 
@@ -165,7 +191,7 @@ def check_broadcast(g: ProcessGroup, rec: Recorder) -> None:
         source = make_input(0, key, LARGE_SHAPE, dtype)
 
         def large(async_op: bool, source=source, key=key) -> None:  # type: ignore[no-untyped-def]
-            t = source.clone() if g.rank == 0 else torch.zeros_like(source)
+            t = rec.put(source) if g.rank == 0 else rec.zeros_like(source)
             _done(spmd.broadcast(t, group_src=0, group=g, async_op=async_op))
             _expect_bytes(t, source, key)
 
@@ -183,8 +209,8 @@ def check_all_gather_into_tensor(g: ProcessGroup, rec: Recorder) -> None:
         expected = torch.stack(inputs) if stack else torch.cat(inputs)
 
         def body(async_op: bool, inputs=inputs, expected=expected, noncontig=noncontig, key=key) -> None:  # type: ignore[no-untyped-def]
-            out = torch.zeros_like(expected)
-            mine = strided(inputs[g.rank]) if noncontig else inputs[g.rank]
+            out = rec.zeros_like(expected)
+            mine = rec.strided(inputs[g.rank]) if noncontig else rec.put(inputs[g.rank])
             _done(spmd.all_gather_into_tensor(out, mine, group=g, async_op=async_op))
             _expect_bytes(out, expected, key)
 
@@ -198,8 +224,8 @@ def check_all_gather(g: ProcessGroup, rec: Recorder) -> None:
         inputs = [make_input(i, key, shape, dtype) for i in range(n)]
 
         def body(async_op: bool, inputs=inputs, key=key) -> None:  # type: ignore[no-untyped-def]
-            outs = [torch.zeros_like(inputs[0]) for _ in range(n)]
-            _done(spmd.all_gather(outs, inputs[g.rank], group=g, async_op=async_op))
+            outs = [rec.zeros_like(inputs[0]) for _ in range(n)]
+            _done(spmd.all_gather(outs, rec.put(inputs[g.rank]), group=g, async_op=async_op))
             for i in range(n):
                 _expect_bytes(outs[i], inputs[i], f"{key}[{i}]")
 
@@ -227,8 +253,8 @@ def check_all_to_all_single(g: ProcessGroup, rec: Recorder) -> None:
         expected = torch.cat([blocks[j][r] for j in range(n)])
 
         def body(async_op: bool, inputs=inputs, splits=splits, expected=expected, key=key, uneven=uneven, noncontig=noncontig) -> None:  # type: ignore[no-untyped-def]
-            out = torch.zeros_like(expected)
-            mine = strided(inputs[r]) if noncontig and inputs[r].numel() else inputs[r]
+            out = rec.zeros_like(expected)
+            mine = rec.strided(inputs[r]) if noncontig and inputs[r].numel() else rec.put(inputs[r])
             in_splits = splits[r] if uneven else None
             out_splits = [splits[j][r] for j in range(n)] if uneven else None
             _done(spmd.all_to_all_single(out, mine, out_splits, in_splits, group=g, async_op=async_op))
@@ -245,8 +271,8 @@ def check_all_to_all(g: ProcessGroup, rec: Recorder) -> None:
         inputs = [[make_input(i, f"{key}/{j}", (splits[i][j], 2), dtype) for j in range(n)] for i in range(n)]
 
         def body(async_op: bool, inputs=inputs, key=key) -> None:  # type: ignore[no-untyped-def]
-            outs = [torch.zeros_like(inputs[j][r]) for j in range(n)]
-            _done(spmd.all_to_all(outs, inputs[r], group=g, async_op=async_op))
+            outs = [rec.zeros_like(inputs[j][r]) for j in range(n)]
+            _done(spmd.all_to_all(outs, [rec.put(x) for x in inputs[r]], group=g, async_op=async_op))
             for j in range(n):
                 _expect_bytes(outs[j], inputs[j][r], f"{key} from {j}")
 
@@ -260,8 +286,8 @@ def check_gather(g: ProcessGroup, rec: Recorder) -> None:
         inputs = [make_input(i, key, shape, dtype) for i in range(n)]
 
         def body(async_op: bool, inputs=inputs, root=root, key=key) -> None:  # type: ignore[no-untyped-def]
-            slots = [torch.zeros_like(inputs[0]) for _ in range(n)] if g.rank == root else None
-            _done(spmd.gather(inputs[g.rank], slots, group_dst=root, group=g, async_op=async_op))
+            slots = [rec.zeros_like(inputs[0]) for _ in range(n)] if g.rank == root else None
+            _done(spmd.gather(rec.put(inputs[g.rank]), slots, group_dst=root, group=g, async_op=async_op))
             if slots is not None:
                 for i in range(n):
                     _expect_bytes(slots[i], inputs[i], f"{key}[{i}]")
@@ -276,8 +302,8 @@ def check_scatter(g: ProcessGroup, rec: Recorder) -> None:
         pieces = [make_input(i, key, shape, dtype) for i in range(n)]
 
         def body(async_op: bool, pieces=pieces, root=root, key=key) -> None:  # type: ignore[no-untyped-def]
-            out = torch.zeros_like(pieces[0])
-            _done(spmd.scatter(out, pieces if g.rank == root else None, group_src=root, group=g, async_op=async_op))
+            out = rec.zeros_like(pieces[0])
+            _done(spmd.scatter(out, [rec.put(p) for p in pieces] if g.rank == root else None, group_src=root, group=g, async_op=async_op))
             _expect_bytes(out, pieces[g.rank], key)
 
         rec.case(key, body)
@@ -312,26 +338,26 @@ def check_p2p(g: ProcessGroup, rec: Recorder) -> None:
         inputs = [make_input(i, key, shape, dtype) for i in range(n)]
 
         def body(async_op: bool, inputs=inputs, key=key, noncontig=noncontig) -> None:  # type: ignore[no-untyped-def]
-            got = torch.zeros_like(inputs[0])
-            target = strided(got) if noncontig else got
+            zeros = torch.zeros_like(inputs[0])
+            target = rec.strided(zeros) if noncontig else rec.put(zeros)
             if async_op:
                 works = spmd.batch_isend_irecv(
-                    [spmd.P2POp(spmd.isend, inputs[r], group_peer=right, group=g, tag=3),
+                    [spmd.P2POp(spmd.isend, rec.put(inputs[r]), group_peer=right, group=g, tag=3),
                      spmd.P2POp(spmd.irecv, target, group_peer=left, group=g, tag=3)]
                 )
                 for w in works:
                     w.wait()
             else:
                 recv = spmd.irecv(target, group=g, group_src=left, tag=3)
-                spmd.isend(inputs[r], group=g, group_dst=right, tag=3).wait()
+                spmd.isend(rec.put(inputs[r]), group=g, group_dst=right, tag=3).wait()
                 recv.wait()
             _expect_bytes(target, inputs[left], key)
 
         rec.case(key, body)
 
     def ordered(async_op: bool) -> None:
-        sends = [spmd.isend(torch.full((4,), float(k)), group=g, group_dst=right, tag=7) for k in range(5)]
-        got = [torch.zeros(4) for _ in range(5)]
+        sends = [spmd.isend(torch.full((4,), float(k), device=rec.device), group=g, group_dst=right, tag=7) for k in range(5)]
+        got = [torch.zeros(4, device=rec.device) for _ in range(5)]
         for k in range(5):
             spmd.recv(got[k], group=g, group_src=left, tag=7)
         for w in sends:

@@ -1,4 +1,8 @@
-"""Seeded inputs and the local oracle: every rank computes every rank's input and the expected result."""
+"""Seeded inputs and the local oracle: every rank computes every rank's input and the expected result.
+
+Both live on the host; the checks move a rank's input to the device under test
+and bring results back to compare.
+"""
 
 from __future__ import annotations
 
@@ -55,13 +59,16 @@ def make_input(rank: int, key: str, shape: tuple[int, ...], dtype: torch.dtype, 
     return values.to(dtype)
 
 
-def strided(values: torch.Tensor) -> torch.Tensor:
-    """A non-contiguous tensor equal to ``values`` (every other element of a wider buffer)."""
+def strided(values: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A non-contiguous tensor on ``device`` equal to host tensor ``values`` (every other element of a wider buffer).
+
+    Built on the host and moved whole, so it works for every dtype on every device.
+    """
     if values.dim() == 0:
-        return values.clone()
+        return values.to(device, copy=True)
     wide = torch.zeros(*values.shape[:-1], values.shape[-1] * 2, dtype=values.dtype)
-    view = wide[..., ::2]
-    view.copy_(values)
+    wide[..., ::2].copy_(values)
+    view = wide.to(device)[..., ::2]
     if values.numel() > 1:
         assert not view.is_contiguous()
     return view
@@ -103,7 +110,8 @@ def expected_reduce(inputs: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
 
 
 def same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Exact equality of data movement, for every dtype (float8 and uint64 included)."""
+    """Exact equality of data movement, for every dtype (float8 and uint64 included), compared on the host."""
+    actual = actual.cpu()
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         return False
     if actual.numel() == 0:
@@ -112,7 +120,8 @@ def same_bytes(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 
 
 def check_reduced(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Raise AssertionError unless ``actual`` equals the oracle (exactly for integers)."""
+    """Raise AssertionError unless ``actual`` equals the oracle (exactly for integers), compared on the host."""
+    actual = actual.cpu()
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
     if actual.dtype.is_floating_point or actual.dtype.is_complex:

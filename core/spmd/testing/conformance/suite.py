@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 import spmd
 from spmd.comm.group import ProcessGroup
@@ -48,14 +51,31 @@ def _make_group(shape: str) -> ProcessGroup | object:
     raise ValueError(f"unknown group shape {shape!r}; choose from {GROUP_SHAPES}")
 
 
-def run_cases(op: str, shape: str) -> list[str]:
-    """On one rank: build the group, run every case of ``op``, return the failures."""
+def device_under_test(device_type: str) -> torch.device:
+    """This rank's device of ``device_type``: the CPU, or accelerator ``local rank % count`` (made current)."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, device_type)
+    index = int(os.environ.get("LOCAL_RANK", spmd.get_rank())) % module.device_count()
+    module.set_device(index)
+    return torch.device(device_type, index)
+
+
+def run_cases(op: str, shape: str, device_type: str = "cpu") -> list[str]:
+    """On one rank: build the group, run every case of ``op`` on ``device_type`` tensors, return the failures."""
     group = _make_group(shape)
     if group is NON_GROUP_MEMBER:
         return []
     assert isinstance(group, ProcessGroup)
-    recorder = Recorder()
-    CHECKS[op](group, recorder)
+    device = device_under_test(device_type)
+    recorder = Recorder(device, group.backend(device_type).supports_reduction)
+    try:
+        CHECKS[op](group, recorder)
+    finally:
+        if device.type != "cpu":
+            getattr(torch, device.type).synchronize()
+            if group is not spmd.comm.state.get_state().world:
+                spmd.destroy_process_group(group)  # frees its device communicator (and device memory)
     if recorder.count == 0 and not (op == "p2p" and group.size == 1):
         return [f"{op}: no cases ran"]
     return recorder.failures
@@ -66,16 +86,25 @@ class BackendConformance:
 
         class TestGlooConformance(BackendConformance):
             backend = "gloo"
+
+    A device backend names its device type and the backend string ``spmd.init``
+    takes (a CPU backend beside it carries object collectives and barriers)::
+
+        class TestNcclConformance(BackendConformance):
+            backend = "cpu:gloo,cuda:nccl"
+            device = "cuda"
     """
 
     spmd_conformance = True
     backend: str = ""
+    #: The device type of the tensors the cases use (each rank takes device ``local rank % count``).
+    device: str = "cpu"
     world_sizes: tuple[int, ...] = (1, 2, 3, 4)
     #: Seconds one (world size, op, group shape) run may take on all ranks.
     run_timeout: float = 240.0
 
     def test_conformance(self, spmd_world: Callable[[int, str], World], conformance_case: SuiteParam) -> None:
         world = spmd_world(conformance_case.world_size, self.backend)
-        per_rank = world.run(run_cases, conformance_case.op, conformance_case.shape, timeout=self.run_timeout)
+        per_rank = world.run(run_cases, conformance_case.op, conformance_case.shape, self.device, timeout=self.run_timeout)
         failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
         assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])

@@ -14,7 +14,7 @@ hits all alike; the table shows the median per-call time of each, the ratio
 spmd/raw (below 1.0: spmd faster) and raw2/raw, a second identical raw
 communicator against the first: how far two equal things differ here (the
 noise floor of the ratio). backend is the same op called on the world
-group's MpiBackend directly (``backend.all_reduce(t, SUM).wait()``): what
+group's MpiBackend directly (``backend.all_reduce(t, SUM)`` and a wait on its handle): what
 spmd-mpi itself costs, without the kernel's per-call work (argument checks,
 flight recorder, Work bookkeeping). Size is the bytes of the per-rank tensor for
 all_reduce and broadcast, of the output for all_gather_into_tensor and of the
@@ -48,29 +48,36 @@ def backend_calls(world: int):  # type: ignore[no-untyped-def]
     backend = get_state().world.backend("cpu")
     total_op = spmd.ReduceOp.SUM
 
+    def wait(result) -> None:  # type: ignore[no-untyped-def]
+        """Finish what a backend method returned: a Work, or spmd-mpi's NativeWork handle (no kernel wrapper)."""
+        if isinstance(result, spmd.Work):
+            result.wait()
+        else:
+            result.wait(None)
+
     def all_reduce(nbytes: int):  # type: ignore[no-untyped-def]
         t = torch.ones(elements(nbytes, 1))
-        return lambda: backend.all_reduce(t, total_op).wait()
+        return lambda: wait(backend.all_reduce(t, total_op))
 
     def broadcast(nbytes: int):  # type: ignore[no-untyped-def]
         t = torch.ones(elements(nbytes, 1))
-        return lambda: backend.broadcast(t, 0).wait()
+        return lambda: wait(backend.broadcast(t, 0))
 
     def all_gather(nbytes: int):  # type: ignore[no-untyped-def]
         total = elements(nbytes, world)
         out, inp = torch.empty(total), torch.ones(total // world)
-        return lambda: backend.all_gather_into_tensor(out, inp).wait()
+        return lambda: wait(backend.all_gather_into_tensor(out, inp))
 
     def reduce_scatter(nbytes: int):  # type: ignore[no-untyped-def]
         total = elements(nbytes, world)
         out, inp = torch.empty(total // world), torch.ones(total)
-        return lambda: backend.reduce_scatter_tensor(out, inp, total_op).wait()
+        return lambda: wait(backend.reduce_scatter_tensor(out, inp, total_op))
 
     def all_to_all(nbytes: int):  # type: ignore[no-untyped-def]
         total = elements(nbytes, world)
         out, inp = torch.empty(total), torch.ones(total)
         splits = [total // world] * world
-        return lambda: backend.all_to_all_single(out, inp, splits, splits).wait()
+        return lambda: wait(backend.all_to_all_single(out, inp, splits, splits))
 
     return {
         "all_reduce": all_reduce,

@@ -66,6 +66,9 @@ def complete(
     (see ``spmd.comm.work`` for the order in which timeouts nest).
     """
     if not isinstance(work, Work):  # the backend returned its own handle (the NativeWork protocol)
+        if not async_op and not hasattr(work, "wait_stream"):
+            _wait_here(work, group, op, call, after, timeout)
+            return None
         work = NativeWorkAdapter(work)  # (Work.from_native also checks the methods: not on the hot path)
     # A Work that already succeeded (Work.completed(), a fast worker thread) is recorded as completed
     # in one step; a synchronous one then needs nothing more.
@@ -97,4 +100,33 @@ def complete(
         work.wait()  # the synchronous path waits natively, with no callback hop
     if after is not None:
         after()
+    return None
+
+
+def _wait_here(native: NativeWork, group: ProcessGroup, op: str, call: Call, after: Callable[[], None] | None, timeout: Timeout) -> None:
+    """A synchronous op on a backend's own handle: record it, wait on the handle itself, done.
+
+    The hot path of every blocking collective on Gloo, MPI and UCX: no kernel
+    Work is made unless the op fails or runs out of time, when one is, so the
+    error is explained exactly as a waited Work's would be.
+    """
+    if isinstance(call, Entry):
+        entry = call
+    else:
+        seq = group.seq
+        group.seq = seq + 1
+        entry = recorder.start(group.name, seq, *call)
+    limit = group.timeout_s if timeout is None else seconds(timeout)
+    if native.wait(limit) and native.error() is None:
+        entry.finish(None)
+        if after is not None:
+            after()
+        return None
+    work = NativeWorkAdapter(native)
+    work.default_timeout, work._entry, work._group = limit, entry, group
+    if op != entry.op:  # point-to-point: "isend to rank 3 (tag 0)"
+        work._describe = lambda: group.describe(op)
+    if not native.poll():
+        raise work._timed_out(limit, own_deadline=True)
+    work.wait()  # finished with an error: raises it, explained
     return None

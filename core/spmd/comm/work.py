@@ -220,17 +220,24 @@ class Work:
         """
         limit = self.default_timeout if timeout is None else seconds(timeout)
         if not self._wait_native(limit):
-            error = timeout_error(self.description, limit)
-            if self._entry is not None:
-                self._entry.finish(error)
-            if timeout is None and self._group is not None:
-                # The op's own deadline passed: its group is out of step. A shorter timeout the
-                # caller gave this wait only ends the wait: the op may still finish, wait again.
-                self._mark_group(error)
-            raise self._explain(error)
+            raise self._timed_out(limit, own_deadline=timeout is None)
         if self._error is not None:
             raise self._explain(self._error)
         return True
+
+    def _timed_out(self, limit: float | None, own_deadline: bool) -> BaseException:
+        """The error for a wait that ran out after ``limit`` seconds (the entry finishes with it).
+
+        When the op's own deadline passed (``own_deadline``) its group is out of
+        step and is marked unusable. A shorter timeout the caller gave one wait
+        only ends that wait: the op may still finish, wait again.
+        """
+        error = timeout_error(self.description, limit)
+        if self._entry is not None:
+            self._entry.finish(error)
+        if own_deadline and self._group is not None:
+            self._mark_group(error)
+        return self._explain(error)
 
     def _mark_group(self, error: BaseException) -> None:
         """A failed or timed-out op leaves its group unusable: its ranks may be out of step."""

@@ -385,3 +385,37 @@ def stale_and_fresh_announcements() -> dict[str, object]:
     spmd.all_reduce(t, group=old)
     return {"old": old.unusable, "old_sum": t.tolist(), "new": new.unusable}
 
+
+
+def size_mismatch_on_gloo(kind: str, timeout: float) -> dict[str, object]:
+    """Calls whose buffers differ in size across the ranks, on Gloo (which aborts the process if it ever
+    pairs them). ``kind``: count (4 against 1000 elements), dtype (float32 against float64), splits
+    (all_to_all_single rows that disagree), or known (rank 0 repeats a shape the group already agreed
+    on while rank 1 calls a new one). Returns the outcome of the mismatched call, the time it took,
+    and the outcome of one correct all_reduce after it."""
+    group = spmd.new_group([0, 1], timeout=timeout)
+    spmd.barrier(group=group)
+    rank = spmd.get_rank()
+
+    def outcome(call) -> str:  # type: ignore[no-untyped-def]
+        try:
+            call()
+            return "ok"
+        except spmd.SpmdError as error:
+            return f"{type(error).__name__}: {error}"
+
+    if kind == "known":
+        spmd.all_reduce(torch.ones(4), group=group)  # both agree on (4,) float32 SUM
+    start = time.monotonic()
+    if kind == "count":
+        first = outcome(lambda: spmd.all_reduce(torch.ones((4, 1000)[rank]), group=group))
+    elif kind == "dtype":
+        first = outcome(lambda: spmd.all_reduce(torch.ones(4, dtype=(torch.float32, torch.float64)[rank]), group=group))
+    elif kind == "splits":
+        sends = ([2, 1], [2, 3])[rank]  # rank 0 sends rank 1 one row, rank 1 expects two
+        first = outcome(lambda: spmd.all_to_all_single(torch.zeros(5), torch.ones(sum(sends)), [2, 3], sends, group=group))
+    else:
+        first = outcome(lambda: spmd.all_reduce(torch.ones((4, 1000)[rank]), group=group))
+    took = time.monotonic() - start
+    after = outcome(lambda: spmd.all_reduce(torch.ones(4), group=group))
+    return {"first": first, "took": took, "after": after}

@@ -190,8 +190,8 @@ def test_desync_mode_checks_all_to_all_splits_across_ranks(spmd_world):
 @pytest.mark.parametrize("backend", ["mpi"])
 def test_mismatched_element_counts_are_named_and_break_the_group_everywhere(spmd_world, backend):
     """4 elements against 1000 (desync mode off): both calls are named (by the always-on check, or by
-    the timeout of a rank left waiting), and every rank's next op on the group is refused. (Gloo, and the p2p example over Gloo's pairs, abort the
-    process inside the C++ library on this mismatch: still open, see the README.)"""
+    the timeout of a rank left waiting), and every rank's next op on the group is refused. (On Gloo, and
+    the p2p example over Gloo's pairs, the kernel refuses it before the op: see the test above.)"""
     launcher, reason = _launcher(backend)
     if launcher is None:
         pytest.skip(reason)
@@ -207,8 +207,37 @@ def test_mismatched_element_counts_are_named_and_break_the_group_everywhere(spmd
         assert outcomes[-1].startswith("CollectiveError") and "cannot be used" in outcomes[-1], ranks
 
 
+@pytest.mark.parametrize("backend", ["gloo", "p2p"])
+@pytest.mark.parametrize("kind", ["count", "dtype", "splits", "known"])
+def test_gloo_buffers_of_different_sizes_are_named_not_a_signal(spmd_world, backend, kind):
+    """Gloo aborts the process (SIGABRT in its C++ loop thread) if it pairs buffers of different byte
+    sizes. The kernel compares each call shape new to a group across its ranks before Gloo sees it:
+    ranks that both call a new shape get a CollectiveDesyncError naming both calls, and the group is
+    refused afterwards, as after any mismatch; a rank repeating an agreed shape while its peer calls a
+    new one ends, like its peer, in the op's named timeout, and Gloo never pairs the two."""
+    world = spmd_world(2, backend)  # (the p2p example sends over Gloo's pairs, which abort the same way)
+    try:
+        results = world.run(helpers.size_mismatch_on_gloo, kind, 3.0, timeout=120)
+    finally:
+        world.kill()
+    for r in results:
+        if kind == "known":
+            assert r["first"].startswith("CollectiveTimeoutError") and "all_reduce" in r["first"], r
+            assert r["took"] < 3.0 + 2.0 + 3.0, r  # the op's timeout, +2 s, and slack for a loaded host
+            assert r["after"].startswith("CollectiveError") and "cannot be used" in r["after"], r
+            continue
+        assert r["first"].startswith("CollectiveDesyncError") and "ranks disagree on collective" in r["first"], r
+        expected = {
+            "count": ("all_reduce(float32; 4) SUM", "all_reduce(float32; 1000) SUM"),
+            "dtype": ("all_reduce(float32; 4) SUM", "all_reduce(float64; 4) SUM"),
+            "splits": ("splits 2,1/2,3", "splits 2,3/2,3", "rank 0 sends 1 rows to rank 1, which expects 2 from it"),
+        }[kind]
+        assert all(call in r["first"] for call in expected), r
+        assert r["after"].startswith("CollectiveError") and "cannot be used" in r["after"], r  # as after any mismatch
+
+
 SILENT = [(b, k) for b in ("gloo", "mpi", "ucc", "p2p") for k in ("reduce_op", "dtype")] + [("ucc", "count")]
-SILENT += [(b, "splits") for b in ("mpi", "ucc", "p2p")]  # (Gloo aborts the process on mismatched splits)
+SILENT += [(b, "splits") for b in ("mpi", "ucc")]  # (Gloo and p2p: refused before the op, as above)
 SIGNATURES = {
     "splits": ("all_to_all_single(float32,float32) splits 2,1/2,2", "all_to_all_single(float32,float32) splits 2,2/2,2",
                "all_to_all_single splits disagree: rank 0 sends 1 rows to rank 1, which expects 2 from it"),

@@ -196,6 +196,11 @@ class Backend(abc.ABC):
     #: a caller whose input is scratch may all-reduce it in place instead and keep its own rank's
     #: block, which moves the same bytes without the copy and the separate output in flight.
     reduce_scatter_copies_input: bool = False
+    #: Whether the native library kills the process when ranks pass buffers of different sizes
+    #: (Gloo aborts in its C++ loop thread). The kernel then compares each *new* call shape across
+    #: the group's ranks through the store before the op (one round trip per shape), so such a
+    #: mismatch is a named error on every rank instead of a signal.
+    aborts_on_size_mismatch: bool = False
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx

@@ -22,7 +22,7 @@ from spmd.comm.checks import (
     route,
 )
 from spmd.comm.group import ProcessGroup
-from spmd.comm.lifecycle import begin, complete
+from spmd.comm.lifecycle import begin, begin_sized, complete
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.staging import (
     AVG,
@@ -43,7 +43,9 @@ from spmd.comm.work import Timeout, Work
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False, *, timeout: Timeout = None) -> Work | None:
     """Reduce ``tensor`` across every rank of ``group``, in place, so all ranks hold the result."""
     g, backend = route(group, tensor, "tensor", "all_reduce", op, timeout=timeout)
-    call = begin(g, "all_reduce", (tensor,), op, None)
+    call = begin_sized(g, "all_reduce", (tensor,), op, None, None, backend, timeout, async_op)
+    if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
+        return call
     if tensor.is_contiguous() and (op is not AVG or backend.supports_avg):
         return complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op, timeout=timeout)  # nothing to stage
     native = native_op(backend, op)
@@ -67,7 +69,9 @@ def reduce(
     """Reduce ``tensor`` of every rank into ``dst``'s; other ranks' tensors are unchanged."""
     g, backend = route(group, tensor, "tensor", "reduce", op, timeout=timeout)
     root = resolve_root(g, dst, group_dst, "dst", "reduce")
-    call = begin(g, "reduce", (tensor,), op, root)
+    call = begin_sized(g, "reduce", (tensor,), op, root, None, backend, timeout, async_op)
+    if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
+        return call
     staged = Contiguous(tensor)
     native = native_op(backend, op)
     work = backend.reduce(staged.tensor, root, native)
@@ -94,7 +98,9 @@ def reduce_scatter_tensor(
             f"({g.size}) x output ({output.numel()}) = {output.numel() * g.size}; size the input "
             f"as torch.empty(({g.size} * n, ...)) for an output of n rows"
         )
-    call = begin(g, "reduce_scatter_tensor", (input, output), op, None)
+    call = begin_sized(g, "reduce_scatter_tensor", (input, output), op, None, None, backend, timeout, async_op)
+    if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
+        return call
     native = native_op(backend, op)
     aliased = overlaps(input, output)
     if native is op and input.is_contiguous() and output.is_contiguous() and not aliased:
@@ -142,7 +148,9 @@ def broadcast(
     """Copy ``src``'s ``tensor`` into every rank's ``tensor``."""
     g, backend = route(group, tensor, "tensor", "broadcast", timeout=timeout)
     root = resolve_root(g, src, group_src, "src", "broadcast")
-    call = begin(g, "broadcast", (tensor,), None, root)
+    call = begin_sized(g, "broadcast", (tensor,), None, root, None, backend, timeout, async_op)
+    if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
+        return call
     if tensor.is_contiguous():
         return complete(backend.broadcast(tensor, root), g, "broadcast", call, async_op, timeout=timeout)
     staged = Contiguous(tensor, copy_in=g.rank == root)
@@ -167,7 +175,9 @@ def all_gather_into_tensor(
             f"group size ({g.size}) x input ({input_tensor.numel()}) = {input_tensor.numel() * g.size}; "
             f"allocate it as torch.empty(({g.size} * n, ...)) or torch.empty(({g.size}, n, ...))"
         )
-    call = begin(g, "all_gather_into_tensor", (input_tensor, output_tensor), None, None)
+    call = begin_sized(g, "all_gather_into_tensor", (input_tensor, output_tensor), None, None, None, backend, timeout, async_op)
+    if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
+        return call
     aliased = overlaps(input_tensor, output_tensor)  # torch's in-place form: input = output[own block]
     if input_tensor.is_contiguous() and output_tensor.is_contiguous() and not aliased:
         return complete(backend.all_gather_into_tensor(output_tensor, input_tensor), g, "all_gather_into_tensor", call, async_op, timeout=timeout)
@@ -248,7 +258,9 @@ def all_to_all_single(
             f"all_to_all_single: input rows have shape {tuple(input.shape[1:])} but output rows "
             f"{tuple(output.shape[1:])}; they must match"
         )
-    call = begin(g, "all_to_all_single", (input, output), None, None, splits=(in_sizes, out_sizes))
+    call = begin_sized(g, "all_to_all_single", (input, output), None, None, (in_sizes, out_sizes), backend, timeout, async_op)
+    if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
+        return call
     aliased = overlaps(input, output)  # all_to_all_single(t, t), or an output shifted over its input
     if input.is_contiguous() and output.is_contiguous() and not aliased:
         return complete(backend.all_to_all_single(output, input, out_sizes, in_sizes), g, "all_to_all_single", call, async_op, timeout=timeout)

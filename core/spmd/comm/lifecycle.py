@@ -11,11 +11,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from spmd.comm.backend import Backend
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import NativeWork, NativeWorkAdapter, Timeout, Work, seconds
 from spmd.debug import desync
 from spmd.debug.recorder import Entry, recorder
+from spmd.errors import CollectiveDesyncError, CollectiveTimeoutError
 
 #: What ``begin`` hands ``complete``: the recorded entry, or the op, tensors and reduce op to record
 #: (all_to_all_single adds no peer and its splits: ``recorder.start``'s further arguments).
@@ -29,6 +31,7 @@ def begin(
     reduce_op: ReduceOp | None = None,
     root: int | None = None,
     splits: tuple[Sequence[int], Sequence[int]] | None = None,
+    timeout: Timeout = None,
 ) -> Call:
     """What must precede submitting an op: nothing, or with the desync check on, recording and checking it.
 
@@ -40,11 +43,76 @@ def begin(
     """
     if desync.on:
         entry = recorder.start(group.name, group.next_seq(), op, tensors, reduce_op, None, splits)
-        desync.check(group, entry, root, splits)
+        desync.check(group, entry, root, splits, None if timeout is None else seconds(timeout))
         return entry
     if splits is not None:  # recorded with the entry: the always-on check compares them across ranks
         return (op, tensors, None, None, splits)
     return (op, tensors, reduce_op)
+
+
+def begin_sized(
+    group: ProcessGroup,
+    op: str,
+    tensors: Sequence[torch.Tensor],
+    reduce_op: ReduceOp | None,
+    root: int | None,
+    splits: tuple[Sequence[int], Sequence[int]] | None,
+    backend: Backend,
+    timeout: Timeout,
+    async_op: bool,
+) -> Call | Work:
+    """``begin`` for an op whose ranks' buffers must match in size: on a backend that aborts on a
+    mismatch, a call shape new to the group is first compared across its ranks.
+
+    Returns what ``complete`` needs, or, for an async op whose cross-rank check
+    ran out of time, the failed Work to hand the caller instead of submitting.
+    """
+    if backend.aborts_on_size_mismatch and group.size > 1 and not desync.on:
+        if len(tensors) == 1:
+            shape: tuple = (op, tensors[0].shape, tensors[0].dtype, reduce_op, root)
+        else:
+            shape = (op, tuple((t.shape, t.dtype) for t in tensors), reduce_op, root, splits and tuple(map(tuple, splits)))
+        if shape not in group.agreed_calls:
+            entry = recorder.start(group.name, group.next_seq(), op, tensors, reduce_op, None, splits)
+            refused = _check_first_call(group, entry, root, splits, timeout, async_op)
+            if refused is not None:
+                return refused
+            group.agreed_calls.add(shape)
+            return entry
+    return begin(group, op, tensors, reduce_op, root, splits, timeout)
+
+
+def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, splits: tuple[Sequence[int], Sequence[int]] | None,
+                      timeout: Timeout, async_op: bool) -> Work | None:
+    """All ranks compare a call shape new to this group before the backend sees it (see ``Backend.aborts_on_size_mismatch``).
+
+    The call waits for the other ranks' shapes (an async one too: a store round
+    trip once per shape). A disagreement is a CollectiveDesyncError naming
+    every rank's call, raised on every rank before any issued the op; the group
+    is then unusable, as after any mismatch. A rank that never makes the call ends the wait as the
+    op's own timeout would, with the same diagnosis (the op, its group and
+    sequence number, the ranks that never arrived), and leaves the group
+    unusable: raised, or for an async op returned as the failed Work.
+    """
+    limit = group.timeout_s if timeout is None else seconds(timeout)
+    try:
+        desync.check(group, entry, root, splits, limit)
+    except CollectiveDesyncError as error:
+        entry.finish(error)
+        calls = "; ".join(line.strip() for line in str(error).splitlines()[1:1 + group.size])
+        # as the always-on check would a moment later, but at once, on every rank
+        group.mark_unusable(f"ranks disagree on collective #{entry.seq} of group {group.name!r} ({calls}); "
+                            "destroy it and create a new group, or restart the job")
+        raise
+    except CollectiveTimeoutError:
+        pending = Work()
+        pending.default_timeout, pending._entry, pending._group = limit, entry, group
+        timed_out = pending._timed_out(limit, own_deadline=True)
+        if not async_op:
+            raise timed_out from None
+        pending._finish(None, timed_out)
+        return pending
+    return None
 
 
 def complete(

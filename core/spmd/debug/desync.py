@@ -85,13 +85,16 @@ def _split_mismatch(calls: list[str], ranks: tuple[int, ...]) -> str | None:
 
 
 def check(
-    group: Any, entry: Entry, root: int | None = None, splits: tuple[Sequence[int], Sequence[int]] | None = None
+    group: Any, entry: Entry, root: int | None = None, splits: tuple[Sequence[int], Sequence[int]] | None = None,
+    timeout_s: float | None = None,
 ) -> None:
     """Raise CollectiveDesyncError on every rank unless all ranks of ``group`` make the same call.
 
     ``splits`` (all_to_all_single's input and output split sizes) are checked
     across ranks: what rank i sends to rank j is what rank j expects from i.
+    Waits up to ``timeout_s`` (default: the group's) for the other ranks.
     """
+    limit = group.timeout_s if timeout_s is None else timeout_s
     from spmd.comm.state import get_state
 
     store = get_state().store
@@ -100,12 +103,12 @@ def check(
     store.set(prefix + str(group.rank), mine)
     keys = [prefix + str(r) for r in range(group.size)]
     try:
-        store.wait(keys, timedelta(seconds=group.timeout_s))
+        store.wait(keys, timedelta(seconds=limit))
     except Exception as error:  # noqa: BLE001 - turned into the named error
         missing = [group.ranks[r] for r, key in enumerate(keys) if not store.check([key])]
         raise CollectiveTimeoutError(
             f"desync check: {entry.op} on group {group.name!r} seq {entry.seq}: ranks {missing} never made "
-            f"this call within {group.timeout_s:.1f} s (this rank calls {mine})"
+            f"this call within {limit:.1f} s (this rank calls {mine})"
         ) from error
     calls = [store.get(key).decode() for key in keys]
     if entry.seq >= 2:

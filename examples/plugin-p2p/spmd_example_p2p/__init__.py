@@ -19,6 +19,8 @@ import spmd
 class P2PBackend(spmd.Backend):
     """Point-to-point only: every collective comes from spmd's generic algorithms."""
 
+    aborts_on_size_mismatch = True  # Gloo's pairs abort the process on a message of the wrong size
+
     def __init__(self, ctx: spmd.BackendContext) -> None:
         super().__init__(ctx)
         import torch.distributed as tdist  # heavy imports belong in the factory, not at import

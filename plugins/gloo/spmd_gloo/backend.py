@@ -177,6 +177,7 @@ class GlooBackend(Backend):
 
     supports_avg = False  # Gloo has no AVG; the kernel sums and divides
     reduce_scatter_copies_input = True  # c10d Gloo's reduce-scatter is an all-reduce of an input copy
+    aborts_on_size_mismatch = True  # gloo::EnforceNotMet in its loop thread: SIGABRT
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)

@@ -1,8 +1,10 @@
-"""What surrounds the submission of every op: the desync check, flight recording, and waiting.
+"""What surrounds the submission of every op: the cross-rank checks, flight recording, and waiting.
 
-``begin`` runs before the backend gets the op, ``complete`` right after: it
+``begin`` (``begin_sized`` for ops whose buffers must match in size across
+ranks) runs before the backend gets the op, ``complete`` right after: it
 records the op, attaches the timeout, group and entry to the Work, and waits
-for it unless the caller asked for an async op.
+for it unless the caller asked for an async op (a backend's own handle is
+waited on directly).
 """
 
 from __future__ import annotations
@@ -115,6 +117,13 @@ def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, split
     return None
 
 
+def _record(group: ProcessGroup, call: Call, done: bool = False) -> Entry:
+    """The op's flight-recorder entry: ``begin``'s, or recorded now (``done``: as already completed)."""
+    if isinstance(call, Entry):
+        return call
+    return recorder.start(group.name, group.next_seq(), *call, done=done)
+
+
 def complete(
     work: Work | NativeWork,
     group: ProcessGroup,
@@ -141,14 +150,9 @@ def complete(
     # A Work that already succeeded (Work.completed(), a fast worker thread) is recorded as completed
     # in one step; a synchronous one then needs nothing more.
     succeeded = work._is_done and work._error is None
-    if isinstance(call, Entry):
-        entry = call
-    else:
-        seq = group.seq
-        group.seq = seq + 1
-        entry = recorder.start(group.name, seq, *call, done=succeeded)
-        if succeeded and not async_op and after is None:
-            return None
+    entry = _record(group, call, done=succeeded)
+    if succeeded and not async_op and after is None and entry is not call:
+        return None
     limit = group.timeout_s if timeout is None else seconds(timeout)
     work.default_timeout = limit
     work._entry = entry
@@ -178,12 +182,7 @@ def _wait_here(native: NativeWork, group: ProcessGroup, op: str, call: Call, aft
     Work is made unless the op fails or runs out of time, when one is, so the
     error is explained exactly as a waited Work's would be.
     """
-    if isinstance(call, Entry):
-        entry = call
-    else:
-        seq = group.seq
-        group.seq = seq + 1
-        entry = recorder.start(group.name, seq, *call)
+    entry = _record(group, call)
     limit = group.timeout_s if timeout is None else seconds(timeout)
     if native.wait(limit) and native.error() is None:
         entry.finish(None)

@@ -5,7 +5,9 @@
 
 The check's hot-path part is one deque append per op (the flight recorder
 keeps each group's recent calls; the watchdog thread compares them with a
-peer's every 0.2 s). Each rank times a 4 B and a 1 MiB ``spmd.all_reduce``
+peer's every 0.2 s) and, on a backend that aborts on buffers of different
+sizes (Gloo), a lookup of the call's shape among those the group's ranks
+already agreed on (a new one is compared across ranks first: once per shape). Each rank times a 4 B and a 1 MiB ``spmd.all_reduce``
 with the check on and off, alternated call by call (order rotating), each call
 after a little compute (a 128 x 128 matmul, as in a training loop), and
 prints the medians, their ratio on/off and the median of the ratios of
@@ -30,11 +32,15 @@ SIZES = ((4, 4000), (1 << 20, 1000))  # (bytes, calls)
 
 def worker(backend: str) -> None:
     import spmd
+    from spmd.comm.state import get_state
     from spmd.debug.recorder import recorder
 
     torch.set_num_threads(1)
     spmd.init(backend, timeout=300)
     a, b = torch.randn(128, 128), torch.randn(128, 128)
+    spmd.barrier()
+    world_backend = get_state().world.backend("cpu")
+    sized = world_backend.aborts_on_size_mismatch  # (off: the shape lookup is skipped too, for the measurement)
     rows = []
     for nbytes, calls in SIZES:
         t = torch.ones(nbytes // 4)
@@ -44,11 +50,13 @@ def worker(backend: str) -> None:
         for i in range(calls):
             on = (i % 2 == 0) != (i % 4 >= 2)  # on, off, off, on, ...: each order equally often
             recorder.keep_history = on
+            world_backend.aborts_on_size_mismatch = on and sized
             torch.mm(a, b)
             start = time.perf_counter()
             spmd.all_reduce(t)
             times[on].append(time.perf_counter() - start)
         recorder.keep_history = True
+        world_backend.aborts_on_size_mismatch = sized
         paired = statistics.median(on / off for on, off in zip(times[True], times[False]))  # neighbours in time
         rows.append((nbytes, statistics.median(times[True]), statistics.median(times[False]), paired))
     if spmd.get_rank() == 0:

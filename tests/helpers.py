@@ -325,7 +325,7 @@ def mismatched_counts(timeout: float) -> list[str]:
 
 
 def silently_mismatched(kind: str, limit: float = 12.0) -> dict[str, object]:
-    """One all_reduce the ranks disagree on (``kind``: reduce_op, dtype or count; or, ``splits``, an
+    """One all_reduce the ranks disagree on (``kind``: reduce_op, dtype, count or width; or, ``splits``, an
     all_to_all_single whose split sizes disagree) that the backend
     completes without an error, then the same correct all_reduce every 50 ms until one raises or
     ``limit`` seconds pass. Returns the mismatched op's outcome, every later outcome and the time
@@ -339,6 +339,8 @@ def silently_mismatched(kind: str, limit: float = 12.0) -> dict[str, object]:
         t, op = (torch.ones(4), torch.ones(4, dtype=torch.int32))[rank], spmd.ReduceOp.SUM
     elif kind == "count":
         t, op = torch.ones((4, 1000)[rank]), spmd.ReduceOp.SUM
+    elif kind == "width":  # float32 against float64: the same count, buffers of different sizes
+        t, op = torch.ones(4, dtype=(torch.float32, torch.float64)[rank]), spmd.ReduceOp.SUM
     start = time.monotonic()
     try:
         if kind == "splits":  # rank 0 sends rank 1 one row, rank 1 expects two: nothing overflows
@@ -419,3 +421,18 @@ def size_mismatch_on_gloo(kind: str, timeout: float) -> dict[str, object]:
     took = time.monotonic() - start
     after = outcome(lambda: spmd.all_reduce(torch.ones(4), group=group))
     return {"first": first, "took": took, "after": after}
+
+
+def uneven_all_to_all_with_changing_local_rows(steps: int = 3) -> list[list[float]]:
+    """all_to_all_single where rank 1 keeps a different number of its own rows each step while rank 0's
+    splits never change: legitimate (what crosses between the ranks agrees), so it must just work."""
+    group = spmd.new_group([0, 1], timeout=5.0)
+    rank = spmd.get_rank()
+    results = []
+    for step in range(steps):
+        splits = ([2, 1], [1, step + 1])[rank]  # (to rank 0, to rank 1); the same counts come back
+        source = torch.arange(sum(splits), dtype=torch.float32) + 100 * rank
+        out = torch.zeros(sum(splits))
+        spmd.all_to_all_single(out, source, splits, splits, group=group)
+        results.append(out.tolist())
+    return results

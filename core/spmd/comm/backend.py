@@ -199,7 +199,8 @@ class Backend(abc.ABC):
     #: Whether the native library kills the process when ranks pass buffers of different sizes
     #: (Gloo aborts in its C++ loop thread). The kernel then compares each *new* call shape across
     #: the group's ranks through the store before the op (one round trip per shape), so such a
-    #: mismatch is a named error on every rank instead of a signal.
+    #: mismatch is a named error on every rank instead of a signal. all_to_all_single with explicit
+    #: splits is compared at every call: one rank may change its splits while the others' stay.
     aborts_on_size_mismatch: bool = False
 
     def __init__(self, ctx: BackendContext) -> None:

@@ -79,7 +79,8 @@ def begin_sized(
             refused = _check_first_call(group, entry, root, splits, timeout, async_op)
             if refused is not None:
                 return refused
-            group.agreed_calls.add(shape)
+            if splits is None:  # (explicit splits may differ per rank and change on one rank alone: checked each call)
+                group.agreed_calls.add(shape)
             return entry
     return begin(group, op, tensors, reduce_op, root, splits, timeout)
 

@@ -7,7 +7,7 @@ unsupported reductions raise at the call, the backend's own gather and
 barrier, and the GPU-only behaviour below.
 
 Every function here runs on every rank of a World (``spmd.testing.World(n,
-"cpu:gloo,cuda:nccl")``), pinned to GPU ``rank % device_count`` by ``use_gpu``.
+"cpu:gloo,cuda:nccl")``), pinned to GPU ``local rank % device_count`` by ``use_gpu``.
 ``plugins/nccl/tests/test_nccl_gpu.py`` and ``benchmarks/gpu`` both drive them.
 """
 
@@ -33,14 +33,13 @@ from spmd.testing.conformance.data import (
     same_bytes,
     valid_ops,
 )
+from spmd.testing.conformance.suite import device_under_test
 from spmd_nccl.mapping import UnsupportedReduction
 
 
 def use_gpu() -> torch.device:
-    """Pin this rank to GPU ``rank % device_count`` (call first, on every rank)."""
-    index = spmd.get_rank() % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    """Pin this rank to GPU ``local rank % device_count``, as the shared suite does (call first, on every rank)."""
+    return device_under_test("cuda")
 
 
 def _expect_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -50,10 +49,6 @@ def _expect_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str) -> No
 
 def _roots(n: int) -> list[int]:
     return sorted({0, n - 1})
-
-
-def _zeros(like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like).cuda()  # built on the host: every dtype, float8 and uint64 too
 
 
 # -- what only NCCL has: checks beside the shared suite -------------------------------------------------
@@ -89,7 +84,7 @@ def check_backend_gather(g: ProcessGroup, rec: Recorder) -> None:
         inputs = [make_input(i, key, (3, 5), dtype) for i in range(n)]
 
         def body(async_op: bool, inputs=inputs, root=root, key=key) -> None:  # type: ignore[no-untyped-def]
-            out = _zeros(torch.cat(inputs)) if g.rank == root else None
+            out = rec.zeros_like(torch.cat(inputs)) if g.rank == root else None
             as_work(backend.gather(out, inputs[g.rank].cuda(), root)).wait()
             if out is not None:
                 _expect_bytes(out, torch.cat(inputs), key)
@@ -124,8 +119,7 @@ NCCL_CHECKS: dict[str, Callable[[ProcessGroup, Recorder], None]] = {
 
 def run_nccl_checks() -> list[str]:
     """On every rank: pin the GPU and run NCCL_CHECKS on the world group; return the failures."""
-    use_gpu()
-    recorder = Recorder()
+    recorder = Recorder(use_gpu())
     group = get_state().world
     try:
         for check in NCCL_CHECKS.values():

@@ -10,27 +10,65 @@ import spmd
 
 
 def expect_error(fn_name: str) -> str:
-    """Run one bad call on every rank; return the error type and message."""
+    """Run one bad call on every rank, on a fresh group; return the error, then what the group's next op gave.
+
+    A collective that raised leaves its group unusable (its peers may be inside
+    it), so each case gets its own group and the pooled world stays usable.
+    """
+    group = spmd.new_group([0, 1])
     try:
-        CALLS[fn_name]()
+        CALLS[fn_name](group)
     except Exception as error:  # noqa: BLE001 - the error is the result
-        return f"{type(error).__name__}: {error}"
-    return "no error"
+        raised = f"{type(error).__name__}: {error}"
+    else:
+        return "no error"
+    try:
+        spmd.all_reduce(torch.ones(1), group=group, timeout=5.0)
+    except spmd.SpmdError as error:
+        return f"{raised}\nthen {type(error).__name__}: {str(error).splitlines()[0]}"
+    return f"{raised}\nthen the group still works"
 
 
 CALLS = {
-    "bad_dst": lambda: spmd.reduce(torch.ones(2), dst=5),
-    "bad_group_src": lambda: spmd.broadcast(torch.ones(2), group_src=-1),
-    "wrong_output_size": lambda: spmd.all_gather_into_tensor(torch.empty(3), torch.ones(2)),
-    "wrong_rs_input": lambda: spmd.reduce_scatter_tensor(torch.empty(2), torch.ones(5)),
-    "mixed_dtypes": lambda: spmd.all_gather_into_tensor(torch.empty(4, dtype=torch.int32), torch.ones(2)),
-    "bitwise_on_float": lambda: spmd.all_reduce(torch.ones(2), op=spmd.ReduceOp.BAND),
-    "avg_on_int": lambda: spmd.all_reduce(torch.ones(2, dtype=torch.int64), op=spmd.ReduceOp.AVG),
-    "bad_splits": lambda: spmd.all_to_all_single(torch.empty(4), torch.ones(4), input_split_sizes=[1, 1]),
-    "send_to_self": lambda: spmd.send(torch.ones(1), dst=spmd.get_rank()),
-    "list_length": lambda: spmd.all_gather([torch.empty(2)], torch.ones(2)),
-    "not_a_tensor": lambda: spmd.all_reduce([1.0, 2.0]),  # type: ignore[arg-type]
+    "bad_dst": lambda g: spmd.reduce(torch.ones(2), dst=5, group=g),
+    "bad_group_src": lambda g: spmd.broadcast(torch.ones(2), group_src=-1, group=g),
+    "wrong_output_size": lambda g: spmd.all_gather_into_tensor(torch.empty(3), torch.ones(2), group=g),
+    "wrong_rs_input": lambda g: spmd.reduce_scatter_tensor(torch.empty(2), torch.ones(5), group=g),
+    "mixed_dtypes": lambda g: spmd.all_gather_into_tensor(torch.empty(4, dtype=torch.int32), torch.ones(2), group=g),
+    "bitwise_on_float": lambda g: spmd.all_reduce(torch.ones(2), op=spmd.ReduceOp.BAND, group=g),
+    "avg_on_int": lambda g: spmd.all_reduce(torch.ones(2, dtype=torch.int64), op=spmd.ReduceOp.AVG, group=g),
+    "bad_splits": lambda g: spmd.all_to_all_single(torch.empty(4), torch.ones(4), input_split_sizes=[1, 1], group=g),
+    "send_to_self": lambda g: spmd.send(torch.ones(1), dst=spmd.get_rank(), group=g),
+    "list_length": lambda g: spmd.all_gather([torch.empty(2)], torch.ones(2), group=g),
+    "not_a_tensor": lambda g: spmd.all_reduce([1.0, 2.0], group=g),  # type: ignore[arg-type]
+    "unpicklable": lambda g: spmd.all_gather_object([None, None], lambda: None, group=g),
 }
+
+
+def one_rank_raises(timeout: float) -> list[str]:
+    """Rank 0's all_gather fails its own size check while rank 1's is valid; both then all_reduce.
+
+    Returns what each call gave this rank: a value, or the error's type and
+    first line. Rank 1's all_gather must not complete with rank 0's later
+    all_reduce (on MPI it did, giving both ranks wrong numbers).
+    """
+    group = spmd.new_group([0, 1], timeout=timeout)
+    rank = spmd.get_rank()
+    spmd.barrier(group=group)  # the backend exists on both ranks
+    outcomes = []
+    calls = [
+        lambda: spmd.all_gather_into_tensor(torch.empty(3 if rank == 0 else 4), torch.full((2,), float(rank)), group=group),
+        lambda: spmd.all_reduce(torch.full((4,), float(rank + 1)), group=group),
+        lambda: spmd.all_reduce(torch.full((4,), float(rank + 1)), group=group),
+    ]
+    for call in calls:
+        start = time.monotonic()
+        try:
+            call()
+            outcomes.append("returned")
+        except (spmd.SpmdError, ValueError) as error:
+            outcomes.append(f"{type(error).__name__} after {time.monotonic() - start:.1f} s: {str(error).splitlines()[0]}")
+    return outcomes
 
 
 def skip_a_collective(timeout: float) -> str:

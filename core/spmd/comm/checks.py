@@ -99,3 +99,25 @@ def check_root_list(
         check_list(items, g, like, what, op)
     elif items:
         raise ValueError(f"{op}: only the {role} rank ({root} in the group) passes {what}")
+
+
+def give_up(group: ProcessGroup | None, op: str, error: Exception) -> None:
+    """A collective that raised on this rank (a bad argument, a backend that refused it) leaves its group unusable.
+
+    Its peers may already be inside the op: were this rank to carry on, its
+    next op would pair with their pending one and return a wrong value (on MPI
+    an all_reduce met a peer's all_gather). The group is refused here at once
+    and on the other ranks at their next op (see ``ProcessGroup.mark_unusable``).
+    Errors that already did so (timeouts, mismatches) keep their own reason.
+    """
+    try:
+        g = resolve_group(group)
+    except Exception:  # noqa: BLE001 - no group (not initialised, not a member): nothing to give up on
+        return
+    if g.size < 2 or g.unusable is not None:
+        return
+    first = str(error).split("\n", 1)[0]
+    g.mark_unusable(
+        f"{op} raised on rank {g.rank} ({type(error).__name__}: {first}) while the other ranks may be inside it, "
+        "so its ranks are out of step; fix the call, then create a new group or restart the job"
+    )

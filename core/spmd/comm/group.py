@@ -12,6 +12,7 @@ import torch.distributed as tdist
 
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.registry import backends
+from spmd.comm.store_wait import missing_keys
 from spmd.comm.work import Timeout, seconds
 from spmd.debug.recorder import recorder
 from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
@@ -190,15 +191,11 @@ class ProcessGroup:
         only starts once everyone is there and cannot time out half-made (which,
         in Gloo's case, also printed C++ stack dumps from the peers' sockets).
         """
-        limit = self.timeout_s if timeout is None else seconds(timeout)
+        limit = seconds(timeout) or self.timeout_s
         keys = [self._arrival_key(device_type, r) for r in range(self.size)]
-        try:
-            self.store.wait(keys, timedelta(seconds=limit if limit is not None else self.timeout_s))
-            return
-        except Exception:  # noqa: BLE001 - the store says "wait timeout ... keys: ..."; we say who
-            missing = [self.ranks[r] for r, key in enumerate(keys) if not self.store.check([key])]
+        missing = [self.ranks[r] for r in missing_keys(self.store, keys, limit)]
         if not missing:
-            return  # they arrived just as the wait gave up
+            return
         raise CollectiveTimeoutError(
             f"{self.describe(op, self.seq)} did not complete within {limit:.1f} s: ranks {missing} never "
             f"reached their first collective on group {self.name!r} (rank {self.ranks[self.rank]} waited "

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from spmd.comm import collectives, p2p
-from spmd.comm.checks import resolve_root
+from spmd.comm.checks import give_up, resolve_root
 from spmd.comm.group import ProcessGroup
 from spmd.comm.state import resolve_group
 
@@ -48,19 +48,23 @@ def _gather_sizes(g: ProcessGroup, size: int, where: torch.device) -> list[int]:
 
 def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
     """``object_list[r]`` becomes rank r's ``obj`` on every rank."""
-    g = resolve_group(group)
-    if len(object_list) != g.size:
-        raise ValueError(f"all_gather_object: object_list has {len(object_list)} slots but the group has {g.size} ranks")
-    where = transport_device(g)
-    payload = _to_tensor(obj)
-    sizes = _gather_sizes(g, payload.numel(), where)
-    longest = max(sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=where)
-    padded[: payload.numel()] = payload.to(where)
-    gathered = torch.empty(longest * g.size, dtype=torch.uint8, device=where)
-    collectives.all_gather_into_tensor(gathered, padded, group=g)
-    for r, block in enumerate(gathered.cpu().view(g.size, longest)):
-        object_list[r] = _from_tensor(block[: sizes[r]])
+    try:
+        g = resolve_group(group)
+        if len(object_list) != g.size:
+            raise ValueError(f"all_gather_object: object_list has {len(object_list)} slots but the group has {g.size} ranks")
+        where = transport_device(g)
+        payload = _to_tensor(obj)
+        sizes = _gather_sizes(g, payload.numel(), where)
+        longest = max(sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=where)
+        padded[: payload.numel()] = payload.to(where)
+        gathered = torch.empty(longest * g.size, dtype=torch.uint8, device=where)
+        collectives.all_gather_into_tensor(gathered, padded, group=g)
+        for r, block in enumerate(gathered.cpu().view(g.size, longest)):
+            object_list[r] = _from_tensor(block[: sizes[r]])
+    except Exception as error:
+        give_up(group, "all_gather_object", error)
+        raise
 
 
 def broadcast_object_list(
@@ -75,68 +79,80 @@ def broadcast_object_list(
     ``device``, as in torch, is where the pickled bytes travel; by default
     ``transport_device`` picks it from the group's backends.
     """
-    g = resolve_group(group)
-    root = resolve_root(g, 0 if src is None and group_src is None else src, group_src, "src", "broadcast_object_list")
-    where = transport_device(g, device)
-    payload = _to_tensor(list(object_list)).to(where) if g.rank == root else torch.empty(0, dtype=torch.uint8, device=where)
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=where)
-    collectives.broadcast(size, group=g, group_src=root)
-    if g.rank != root:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=where)
-    collectives.broadcast(payload, group=g, group_src=root)
-    if g.rank != root:
-        received = _from_tensor(payload.cpu())
-        if len(received) != len(object_list):
-            raise ValueError(
-                f"broadcast_object_list: this rank's list has {len(object_list)} slots but the "
-                f"source sent {len(received)}; give every rank a list of the same length"
-            )
-        object_list[:] = received
+    try:
+        g = resolve_group(group)
+        root = resolve_root(g, 0 if src is None and group_src is None else src, group_src, "src", "broadcast_object_list")
+        where = transport_device(g, device)
+        payload = _to_tensor(list(object_list)).to(where) if g.rank == root else torch.empty(0, dtype=torch.uint8, device=where)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=where)
+        collectives.broadcast(size, group=g, group_src=root)
+        if g.rank != root:
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=where)
+        collectives.broadcast(payload, group=g, group_src=root)
+        if g.rank != root:
+            received = _from_tensor(payload.cpu())
+            if len(received) != len(object_list):
+                raise ValueError(
+                    f"broadcast_object_list: this rank's list has {len(object_list)} slots but the "
+                    f"source sent {len(received)}; give every rank a list of the same length"
+                )
+            object_list[:] = received
+    except Exception as error:
+        give_up(group, "broadcast_object_list", error)
+        raise
 
 
 def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: int | None = None, group: ProcessGroup | None = None, group_dst: int | None = None) -> None:
     """On ``dst``, ``object_gather_list[r]`` becomes rank r's ``obj``."""
-    g = resolve_group(group)
-    root = resolve_root(g, 0 if dst is None and group_dst is None else dst, group_dst, "dst", "gather_object")
-    if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
-        raise ValueError(f"gather_object: the destination must pass object_gather_list with {g.size} slots")
-    where = transport_device(g)
-    payload = _to_tensor(obj)
-    sizes = _gather_sizes(g, payload.numel(), where)
-    longest = max(sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=where)
-    padded[: payload.numel()] = payload.to(where)
-    slots = [torch.empty(longest, dtype=torch.uint8, device=where) for _ in range(g.size)] if g.rank == root else None
-    collectives.gather(padded, slots, group=g, group_dst=root)
-    if slots is not None and object_gather_list is not None:
-        for r, block in enumerate(slots):
-            object_gather_list[r] = _from_tensor(block[: sizes[r]].cpu())
+    try:
+        g = resolve_group(group)
+        root = resolve_root(g, 0 if dst is None and group_dst is None else dst, group_dst, "dst", "gather_object")
+        if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
+            raise ValueError(f"gather_object: the destination must pass object_gather_list with {g.size} slots")
+        where = transport_device(g)
+        payload = _to_tensor(obj)
+        sizes = _gather_sizes(g, payload.numel(), where)
+        longest = max(sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=where)
+        padded[: payload.numel()] = payload.to(where)
+        slots = [torch.empty(longest, dtype=torch.uint8, device=where) for _ in range(g.size)] if g.rank == root else None
+        collectives.gather(padded, slots, group=g, group_dst=root)
+        if slots is not None and object_gather_list is not None:
+            for r, block in enumerate(slots):
+                object_gather_list[r] = _from_tensor(block[: sizes[r]].cpu())
+    except Exception as error:
+        give_up(group, "gather_object", error)
+        raise
 
 
 def scatter_object_list(scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None, src: int | None = None, group: ProcessGroup | None = None, group_src: int | None = None) -> None:
     """``scatter_object_output_list[0]`` becomes ``src``'s ``scatter_object_input_list[r]`` on rank r."""
-    g = resolve_group(group)
-    root = resolve_root(g, 0 if src is None and group_src is None else src, group_src, "src", "scatter_object_list")
-    if not scatter_object_output_list:
-        raise ValueError("scatter_object_list: pass an output list with at least one slot")
-    payloads = None
-    if g.rank == root:
-        if scatter_object_input_list is None or len(scatter_object_input_list) != g.size:
-            raise ValueError(f"scatter_object_list: the source must pass {g.size} objects, one per rank")
-        payloads = [_to_tensor(o) for o in scatter_object_input_list]
-    where = transport_device(g)
-    sizes = torch.tensor([p.numel() for p in payloads] if payloads else [0] * g.size, dtype=torch.int64, device=where)
-    collectives.broadcast(sizes, group=g, group_src=root)
-    counts = sizes.tolist()
-    longest = max(counts)
-    padded = None
-    if payloads is not None:
-        padded = [torch.zeros(longest, dtype=torch.uint8, device=where) for _ in payloads]
-        for slot, p in zip(padded, payloads):
-            slot[: p.numel()] = p.to(where)
-    mine = torch.empty(longest, dtype=torch.uint8, device=where)
-    collectives.scatter(mine, padded, group=g, group_src=root)
-    scatter_object_output_list[0] = _from_tensor(mine[: counts[g.rank]].cpu())
+    try:
+        g = resolve_group(group)
+        root = resolve_root(g, 0 if src is None and group_src is None else src, group_src, "src", "scatter_object_list")
+        if not scatter_object_output_list:
+            raise ValueError("scatter_object_list: pass an output list with at least one slot")
+        payloads = None
+        if g.rank == root:
+            if scatter_object_input_list is None or len(scatter_object_input_list) != g.size:
+                raise ValueError(f"scatter_object_list: the source must pass {g.size} objects, one per rank")
+            payloads = [_to_tensor(o) for o in scatter_object_input_list]
+        where = transport_device(g)
+        sizes = torch.tensor([p.numel() for p in payloads] if payloads else [0] * g.size, dtype=torch.int64, device=where)
+        collectives.broadcast(sizes, group=g, group_src=root)
+        counts = sizes.tolist()
+        longest = max(counts)
+        padded = None
+        if payloads is not None:
+            padded = [torch.zeros(longest, dtype=torch.uint8, device=where) for _ in payloads]
+            for slot, p in zip(padded, payloads):
+                slot[: p.numel()] = p.to(where)
+        mine = torch.empty(longest, dtype=torch.uint8, device=where)
+        collectives.scatter(mine, padded, group=g, group_src=root)
+        scatter_object_output_list[0] = _from_tensor(mine[: counts[g.rank]].cpu())
+    except Exception as error:
+        give_up(group, "scatter_object_list", error)
+        raise
 
 
 def send_object_list(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 from spmd.debug.recorder import Entry
@@ -96,20 +95,19 @@ def check(
     """
     limit = group.timeout_s if timeout_s is None else timeout_s
     from spmd.comm.state import get_state
+    from spmd.comm.store_wait import missing_keys
 
     store = get_state().store
     prefix = f"spmd/debug/desync/{group.uid}/{entry.seq}/"
     mine = call_signature(entry, root)  # (with the entry's splits, for all_to_all_single)
     store.set(prefix + str(group.rank), mine)
     keys = [prefix + str(r) for r in range(group.size)]
-    try:
-        store.wait(keys, timedelta(seconds=limit))
-    except Exception as error:  # noqa: BLE001 - turned into the named error
-        missing = [group.ranks[r] for r, key in enumerate(keys) if not store.check([key])]
+    missing = [group.ranks[r] for r in missing_keys(store, keys, limit)]
+    if missing:
         raise CollectiveTimeoutError(
             f"desync check: {entry.op} on group {group.name!r} seq {entry.seq}: ranks {missing} never made "
             f"this call within {limit:.1f} s (this rank calls {mine})"
-        ) from error
+        )
     calls = [store.get(key).decode() for key in keys]
     if entry.seq >= 2:
         store.delete_key(f"spmd/debug/desync/{group.uid}/{entry.seq - 2}/{group.rank}")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from spmd.comm.backend import BackendContext
+from spmd.comm.store_wait import missing_keys
 from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
 from spmd_mpi import probe
 from spmd_mpi.library import library_version
@@ -58,15 +59,13 @@ def rendezvous(ctx: BackendContext) -> None:
     if ctx.size == 1:
         return
     ctx.store.set(f"mpi-comm/{ctx.rank}", b"1")
-    try:
-        ctx.store.wait([f"mpi-comm/{r}" for r in range(ctx.size)], ctx.timeout)
-    except Exception as error:  # noqa: BLE001 - the store's timeout error names no ranks
-        missing = [r for r in range(ctx.size) if not ctx.store.check([f"mpi-comm/{r}"])]
+    missing = missing_keys(ctx.store, [f"mpi-comm/{r}" for r in range(ctx.size)], ctx.timeout.total_seconds())
+    if missing:
         raise CollectiveTimeoutError(
             f"creating the MPI communicator of group {ctx.group_name!r}: group ranks {missing} did "
-            f"not arrive within {ctx.timeout.total_seconds():.1f} s ({error}); every member must "
+            f"not arrive within {ctx.timeout.total_seconds():.1f} s; every member must "
             "use the group (its first collective creates the communicator)"
-        ) from error
+        )
 
 
 def _world_error(ctx: BackendContext, world_size: int, world_rank: int, ranks: Sequence[int]) -> str:

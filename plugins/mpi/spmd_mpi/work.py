@@ -118,7 +118,7 @@ class MpiWork:
     def _complete(self, error: Any) -> None:
         """Finish once MPI is done: run ``after``, drop the buffers, wake waiters and callbacks."""
         after = self._after
-        self._request = self._keep = None
+        self._request = None
         failure: BaseException | None = None
         if error is not None or after is not None:
             self._after = None
@@ -130,6 +130,7 @@ class MpiWork:
                     after(failure is None)
                 except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
                     failure = failure or exc
+        self._keep = None  # (only now: ``after`` may write into the kept tensors)
         with _STATE_LOCK:
             self._failure = failure
             self._finished = True

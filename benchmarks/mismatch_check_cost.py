@@ -8,16 +8,18 @@ keeps each group's recent calls; the watchdog thread compares them with a
 peer's every 0.2 s) and, on a backend that aborts on buffers of different
 sizes (Gloo), a lookup of the call's shape among those the group's ranks
 already agreed on (a new one is compared across ranks first: once per shape). Each rank times a 4 B and a 1 MiB ``spmd.all_reduce``
-with the check on and off, alternated call by call (order rotating), each call
-after a little compute (a 128 x 128 matmul, as in a training loop), and
-prints the medians, their ratio on/off and the median of the ratios of
-neighbouring calls (paired: slow drift cancels) per size. Goal: <= 1.02 at 4 B on
+with the check on, off, and off again (the control), call by call in every
+order in turn (so each precedes each other one equally often), each call after a little compute (a
+128 x 128 matmul, as in a training loop), and prints the medians, their ratio
+on/off and the median of the ratios of neighbouring calls (paired: slow drift
+cancels) per size, and the same two ratios for the control: the noise floor. Goal: <= 1.02 at 4 B on
 Gloo, <= 1.01 at >= 1 MiB.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -27,7 +29,10 @@ import torch
 
 from spmd.bench.launch import relaunch_locally, rendezvous_env
 
-SIZES = ((4, 4000), (1 << 20, 1000))  # (bytes, calls)
+SIZES = ((4, 6000), (1 << 20, 1800))  # (bytes, calls)
+#: The check on, off, and off again: the control, whose ratio to off is how far two equal things differ here.
+STATES = ("on", "off", "control")
+ORDERS = list(itertools.permutations(STATES))
 
 
 def worker(backend: str) -> None:
@@ -46,24 +51,29 @@ def worker(backend: str) -> None:
         t = torch.ones(nbytes // 4)
         for _ in range(50):
             spmd.all_reduce(t)
-        times: dict[bool, list[float]] = {True: [], False: []}
+        times: dict[str, list[float]] = {state: [] for state in STATES}
         for i in range(calls):
-            on = (i % 2 == 0) != (i % 4 >= 2)  # on, off, off, on, ...: each order equally often
+            cycle, slot = divmod(i, len(STATES))
+            state = ORDERS[cycle % len(ORDERS)][slot]  # every order in turn: each state precedes each other one equally often
+            on = state == "on"
             recorder.keep_history = on
             world_backend.aborts_on_size_mismatch = on and sized
             torch.mm(a, b)
             start = time.perf_counter()
             spmd.all_reduce(t)
-            times[on].append(time.perf_counter() - start)
+            times[state].append(time.perf_counter() - start)
         recorder.keep_history = True
         world_backend.aborts_on_size_mismatch = sized
-        paired = statistics.median(on / off for on, off in zip(times[True], times[False]))  # neighbours in time
-        rows.append((nbytes, statistics.median(times[True]), statistics.median(times[False]), paired))
+        medians = {state: statistics.median(values) for state, values in times.items()}
+        # neighbours in time: slow drift cancels
+        paired = {state: statistics.median(x / off for x, off in zip(times[state], times["off"])) for state in ("on", "control")}
+        rows.append((nbytes, medians, paired))
     if spmd.get_rank() == 0:
-        for nbytes, m_on, m_off, paired in rows:
+        for nbytes, m, paired in rows:
             size = "4 B" if nbytes == 4 else f"{nbytes >> 20} MiB"
-            print(f"{backend:5s} {size:>6s}  check on {m_on * 1e6:9.1f} us  off {m_off * 1e6:9.1f} us  "
-                  f"on/off {m_on / m_off:.3f}  paired {paired:.3f}")
+            print(f"{backend:5s} {size:>6s}  check on {m['on'] * 1e6:9.1f} us  off {m['off'] * 1e6:9.1f} us  "
+                  f"on/off {m['on'] / m['off']:.3f}  paired {paired['on']:.3f}   "
+                  f"control (off again)/off {m['control'] / m['off']:.3f}  paired {paired['control']:.3f}")
     spmd.destroy_process_group()
 
 

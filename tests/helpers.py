@@ -474,3 +474,28 @@ def uneven_all_to_all_with_changing_local_rows(steps: int = 3) -> list[list[floa
         spmd.all_to_all_single(out, source, splits, splits, group=group)
         results.append(out.tolist())
     return results
+
+
+def cross_rank_checks_per_all_to_all(split_sizes: bool) -> int:
+    """How many of 5 more all_to_all_single calls of one shape the Gloo shape check compared across ranks.
+
+    With even splits (none given) a shape is compared once, then known;
+    explicit split sizes are compared at every call.
+    """
+    from spmd.debug import desync
+
+    group = spmd.new_group([0, 1])
+    rows = [2, 2] if split_sizes else None
+    out, inp = torch.empty(4), torch.ones(4)
+    spmd.all_to_all_single(out, inp, rows, rows, group=group)
+    checked = []
+    original = desync.check
+    desync.check = lambda *args, **kwargs: (checked.append(1), original(*args, **kwargs))[1]
+    try:
+        for _ in range(5):
+            spmd.all_to_all_single(out, inp, rows, rows, group=group)
+    finally:
+        desync.check = original
+    assert out.tolist() == [1.0] * 4
+    spmd.destroy_process_group(group)
+    return len(checked)

@@ -275,6 +275,14 @@ def test_gloo_takes_splits_that_change_on_one_rank_only(spmd_world):
     assert results[1] == [[2.0] + [100.0 + 1 + i for i in range(step + 1)] for step in range(3)], results
 
 
+def test_gloo_compares_an_all_to_all_shape_once_unless_splits_are_given(spmd_world):
+    """Even splits follow from the tensors' shapes: the cross-rank shape check (a store round trip) runs for
+    the first call of a shape only; split sizes the caller gives are compared at every call."""
+    world = spmd_world(2, "gloo")
+    assert world.run(helpers.cross_rank_checks_per_all_to_all, False) == [0, 0]
+    assert world.run(helpers.cross_rank_checks_per_all_to_all, True) == [5, 5]
+
+
 SILENT = [(b, k) for b in ("gloo", "mpi", "ucc", "p2p") for k in ("reduce_op", "dtype")] + [("ucc", "count")]
 SILENT += [(b, "width") for b in ("mpi", "ucc")]  # float32 against float64 (Gloo and p2p: refused before the op)
 SILENT += [(b, "splits") for b in ("mpi", "ucc")]  # (Gloo and p2p: refused before the op, as above)

@@ -288,7 +288,8 @@ def all_to_all_single(
                 f"all_to_all_single: input rows have shape {tuple(input.shape[1:])} but output rows "
                 f"{tuple(output.shape[1:])}; they must match"
             )
-        call = begin_sized(g, "all_to_all_single", (input, output), None, None, (in_sizes, out_sizes), backend, timeout, async_op)
+        given = bool(input_split_sizes) or bool(output_split_sizes)
+        call = begin_sized(g, "all_to_all_single", (input, output), None, None, (in_sizes, out_sizes), backend, timeout, async_op, given)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         aliased = overlaps(input, output)  # all_to_all_single(t, t), or an output shifted over its input

@@ -62,9 +62,15 @@ def begin_sized(
     backend: Backend,
     timeout: Timeout,
     async_op: bool,
+    splits_given: bool = False,
 ) -> Call | Work:
     """``begin`` for an op whose ranks' buffers must match in size: on a backend that aborts on a
     mismatch, a call shape new to the group is first compared across its ranks.
+
+    ``splits_given``: all_to_all_single's split sizes came from the caller, not
+    from its tensors' shapes. One rank may then change its own rows while the
+    others' calls stay the same, so such a call is compared at every call (a
+    per-rank cache would send only that rank into the comparison).
 
     Returns what ``complete`` needs, or, for an async op whose cross-rank check
     ran out of time, the failed Work to hand the caller instead of submitting.
@@ -79,7 +85,7 @@ def begin_sized(
             refused = _check_first_call(group, entry, root, splits, timeout, async_op)
             if refused is not None:
                 return refused
-            if splits is None:  # (explicit splits may differ per rank and change on one rank alone: checked each call)
+            if not splits_given:
                 group.agreed_calls.add(shape)
             return entry
     return begin(group, op, tensors, reduce_op, root, splits, timeout)

@@ -118,6 +118,19 @@ def test_a_per_op_timeout_shorter_than_the_groups_wins(spmd_world):
     assert "did not complete within 1.0 s" in message and "ranks that never reached seq 1: [1]" in message
 
 
+def _run_and_discard(spmd_world, backend, fn, *args, **kwargs):
+    """Run ``fn`` on a 2-rank world of ``backend`` (skip if it cannot start here), then kill that world:
+    these tests leave groups broken or ranks out of step, so later tests get a fresh one."""
+    launcher, reason = _launcher(backend)
+    if launcher is None:
+        pytest.skip(reason)
+    world = spmd_world(2, backend, launcher=launcher or None)
+    try:
+        return world.run(fn, *args, **kwargs)
+    finally:
+        world.kill()
+
+
 def _launcher(backend):
     """How to start a world on ``backend`` here (a launcher, or () for none), or None and a reason to skip."""
     from spmd.comm.registry import backends
@@ -138,14 +151,7 @@ def _launcher(backend):
 @pytest.mark.parametrize("backend", ["gloo", "mpi", "ucc", "p2p"])
 def test_a_rank_missing_from_the_first_collective_is_a_named_timeout(spmd_world, backend):
     """The op, the group and the rank that never arrived, from the kernel; no C++ stack dump on stderr."""
-    launcher, reason = _launcher(backend)
-    if launcher is None:
-        pytest.skip(reason)
-    world = spmd_world(2, backend, launcher=launcher or None)
-    try:
-        (message, stderr), skipped = world.run(helpers.never_meet, 1.0)
-    finally:
-        world.kill()  # rank 0 gave up on a group rank 1 never joined: later tests get a fresh world
+    (message, stderr), skipped = _run_and_discard(spmd_world, backend, helpers.never_meet, 1.0)
     assert "all_reduce on group 'group" in message and "(seq 0, ranks [0, 1])" in message, message
     assert "did not complete within 1.0 s: ranks [1] never reached their first collective" in message, message
     assert "keys:" not in message and "/cpu/" not in message  # not a store key
@@ -158,14 +164,7 @@ def test_a_timed_out_op_leaves_its_group_unusable_on_every_rank(spmd_world, back
     """After rank 0's all_reduce times out, its later ops on that group raise at once, naming the op
     that failed, and rank 0 says so through the store: the late rank 1 refuses its own calls on the
     group instead of pairing them with rank 0's abandoned op (MPI and UCC cannot cancel it)."""
-    launcher, reason = _launcher(backend)
-    if launcher is None:
-        pytest.skip(reason)
-    world = spmd_world(2, backend, launcher=launcher or None)
-    try:
-        rank0, rank1 = world.run(helpers.after_a_timeout, 1.5, timeout=120)
-    finally:
-        world.kill()
+    rank0, rank1 = _run_and_discard(spmd_world, backend, helpers.after_a_timeout, 1.5, timeout=120)
     assert rank0[0].startswith("CollectiveTimeoutError"), rank0
     for later in rank0[1:]:
         assert later.startswith("CollectiveError") and "cannot be used: all_reduce #1 failed on this rank" in later, rank0
@@ -178,14 +177,7 @@ def test_a_rank_whose_call_raises_leaves_its_group_unusable_everywhere(spmd_worl
     """Rank 0's all_gather fails its local size check while rank 1 is inside a valid one: rank 0 refuses
     the group at once, rank 1's all_gather ends in a named error within its timeout, and neither
     rank's later all_reduce pairs with the other's abandoned op (on MPI one did: 8 instead of 14)."""
-    launcher, reason = _launcher(backend)
-    if launcher is None:
-        pytest.skip(reason)
-    world = spmd_world(2, backend, launcher=launcher or None)
-    try:
-        rank0, rank1 = world.run(helpers.one_rank_raises, 2.0, timeout=120)
-    finally:
-        world.kill()
+    rank0, rank1 = _run_and_discard(spmd_world, backend, helpers.one_rank_raises, 2.0, timeout=120)
     assert rank0[0].startswith("ValueError") and "output has 3 elements" in rank0[0], rank0
     for later in rank0[1:]:
         assert later.startswith("CollectiveError") and "cannot be used: all_gather_into_tensor raised on rank 0" in later, rank0
@@ -223,14 +215,7 @@ def test_mismatched_element_counts_are_named_and_break_the_group_everywhere(spmd
     """4 elements against 1000 (desync mode off): both calls are named (by the always-on check, or by
     the timeout of a rank left waiting), and every rank's next op on the group is refused. (On Gloo, and
     the p2p example over Gloo's pairs, the kernel refuses it before the op: see the test above.)"""
-    launcher, reason = _launcher(backend)
-    if launcher is None:
-        pytest.skip(reason)
-    world = spmd_world(2, backend, launcher=launcher or None)
-    try:
-        ranks = world.run(helpers.mismatched_counts, 1.5, timeout=120)
-    finally:
-        world.kill()
+    ranks = _run_and_discard(spmd_world, backend, helpers.mismatched_counts, 1.5, timeout=120)
     # named by the always-on mismatch check, or by the timeout of the rank still waiting for the rest
     named = [o for r in ranks for o in r if "all_reduce(float32; 4) SUM" in o and "all_reduce(float32; 1000) SUM" in o]
     assert named and all("ranks disagree on" in o for o in named), ranks
@@ -302,14 +287,7 @@ def test_a_mismatch_the_backend_completes_is_named_on_every_rank(spmd_world, bac
     against float64) complete, or fail on one rank only, in the backend; the always-on check (desync mode off) finds the two calls differ, and every
     rank's next op on the group raises, naming both: at once, or, for a rank already waiting in an op
     the other rank then refuses, at that op's timeout (the group's 5 s here)."""
-    launcher, reason = _launcher(backend)
-    if launcher is None:
-        pytest.skip(reason)
-    world = spmd_world(2, backend, launcher=launcher or None)
-    try:
-        results = world.run(helpers.silently_mismatched, kind, timeout=120)
-    finally:
-        world.kill()
+    results = _run_and_discard(spmd_world, backend, helpers.silently_mismatched, kind, timeout=120)
     for r in results:
         error = r["later"][-1] if r["later"] else r["first"]
         assert error.startswith(("CollectiveError", "CollectiveTimeoutError")), r

@@ -39,11 +39,16 @@ def transport_device(g: ProcessGroup, device: torch.device | str | None = None) 
     return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
-def _gather_sizes(g: ProcessGroup, size: int, where: torch.device) -> list[int]:
-    local = torch.tensor([size], dtype=torch.int64, device=where)
-    sizes = torch.empty(g.size, dtype=torch.int64, device=where)
-    collectives.all_gather_into_tensor(sizes, local, group=g)
-    return sizes.tolist()
+def _padded_payload(g: ProcessGroup, obj: Any, where: torch.device) -> tuple[list[int], torch.Tensor]:
+    """Every rank's pickled size (gathered), and ``obj`` pickled and zero-padded to the longest."""
+    payload = _to_tensor(obj)
+    local = torch.tensor([payload.numel()], dtype=torch.int64, device=where)
+    gathered = torch.empty(g.size, dtype=torch.int64, device=where)
+    collectives.all_gather_into_tensor(gathered, local, group=g)
+    sizes = gathered.tolist()
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=where)
+    padded[: payload.numel()] = payload.to(where)
+    return sizes, padded
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | None = None) -> None:
@@ -53,11 +58,8 @@ def all_gather_object(object_list: list[Any], obj: Any, group: ProcessGroup | No
         if len(object_list) != g.size:
             raise ValueError(f"all_gather_object: object_list has {len(object_list)} slots but the group has {g.size} ranks")
         where = transport_device(g)
-        payload = _to_tensor(obj)
-        sizes = _gather_sizes(g, payload.numel(), where)
-        longest = max(sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8, device=where)
-        padded[: payload.numel()] = payload.to(where)
+        sizes, padded = _padded_payload(g, obj, where)
+        longest = padded.numel()
         gathered = torch.empty(longest * g.size, dtype=torch.uint8, device=where)
         collectives.all_gather_into_tensor(gathered, padded, group=g)
         for r, block in enumerate(gathered.cpu().view(g.size, longest)):
@@ -110,11 +112,8 @@ def gather_object(obj: Any, object_gather_list: list[Any] | None = None, dst: in
         if g.rank == root and (object_gather_list is None or len(object_gather_list) != g.size):
             raise ValueError(f"gather_object: the destination must pass object_gather_list with {g.size} slots")
         where = transport_device(g)
-        payload = _to_tensor(obj)
-        sizes = _gather_sizes(g, payload.numel(), where)
-        longest = max(sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8, device=where)
-        padded[: payload.numel()] = payload.to(where)
+        sizes, padded = _padded_payload(g, obj, where)
+        longest = padded.numel()
         slots = [torch.empty(longest, dtype=torch.uint8, device=where) for _ in range(g.size)] if g.rank == root else None
         collectives.gather(padded, slots, group=g, group_dst=root)
         if slots is not None and object_gather_list is not None:

@@ -3,7 +3,10 @@
 ``Store.wait`` that runs out of time makes torch's TCPStore client log two
 ``socket.cpp ... waitForInput ... timed out`` lines on stderr, although the
 kernel then raises its own named error. Polling ``check`` with a growing pause
-says nothing; the pause stays short (<= 5 ms), so a wait ends soon after the last key is set.
+says nothing. The pause grows to at most a tenth of the time already waited
+(between 5 ms and 1 s): the wait ends soon after the last key is set, and a
+long wait (a rank still loading data) costs the store host about one check per
+second per waiting rank.
 """
 
 from __future__ import annotations
@@ -12,18 +15,21 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-#: The longest pause between two checks, in seconds.
-MAX_PAUSE_S = 0.005
+#: Bounds of the longest pause between two checks, in seconds.
+MIN_PAUSE_CAP_S, MAX_PAUSE_S = 0.005, 1.0
 
 
 def missing_keys(store: Any, keys: Sequence[str], limit_s: float) -> list[int]:
     """Wait up to ``limit_s`` for every key of ``keys``; the indices of those still unset then ([] once all are)."""
-    deadline = time.monotonic() + limit_s
+    start = time.monotonic()
+    deadline = start + limit_s
     pause = 0.0001
-    while not store.check(list(keys)):
-        left = deadline - time.monotonic()
+    wanted = list(keys)
+    while not store.check(wanted):
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
             return [i for i, key in enumerate(keys) if not store.check([key])]
         time.sleep(min(pause, left))
-        pause = min(pause * 2, MAX_PAUSE_S)
+        pause = min(pause * 2, max(MIN_PAUSE_CAP_S, 0.1 * (now - start)), MAX_PAUSE_S)
     return []

@@ -89,6 +89,15 @@ def check_list(items: Sequence[torch.Tensor], g: ProcessGroup, like: torch.Tenso
             )
 
 
+def blocks_error(op: str, whole: tuple[str, torch.Tensor], block: tuple[str, torch.Tensor], size: int, fix: str) -> ValueError:
+    """The error for a tensor that must hold one ``block`` per rank of a group of ``size`` but does not."""
+    (whole_name, w), (block_name, b) = whole, block
+    return ValueError(
+        f"{op}: {whole_name} has {w.numel()} elements but must have group size ({size}) x {block_name} "
+        f"({b.numel()}) = {b.numel() * size}; {fix}"
+    )
+
+
 def check_root_list(
     g: ProcessGroup, root: int, items: Sequence[torch.Tensor] | None, like: torch.Tensor, what: str, op: str, role: str
 ) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from spmd.comm.checks import (
+    blocks_error,
     check_list,
     check_output,
     check_root_list,
@@ -103,11 +104,8 @@ def reduce_scatter_tensor(
         g, backend = route(group, input, "input", "reduce_scatter_tensor", op, timeout=timeout)
         check_output(output, input, "output", "reduce_scatter_tensor")
         if input.numel() != output.numel() * g.size:
-            raise ValueError(
-                f"reduce_scatter_tensor: input has {input.numel()} elements but must have group size "
-                f"({g.size}) x output ({output.numel()}) = {output.numel() * g.size}; size the input "
-                f"as torch.empty(({g.size} * n, ...)) for an output of n rows"
-            )
+            raise blocks_error("reduce_scatter_tensor", ("input", input), ("output", output), g.size,
+                               f"size the input as torch.empty(({g.size} * n, ...)) for an output of n rows")
         call = begin_sized(g, "reduce_scatter_tensor", (input, output), op, None, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
@@ -192,11 +190,8 @@ def all_gather_into_tensor(
         g, backend = route(group, input_tensor, "input_tensor", "all_gather_into_tensor", timeout=timeout)
         check_output(output_tensor, input_tensor, "output_tensor", "all_gather_into_tensor")
         if output_tensor.numel() != input_tensor.numel() * g.size:
-            raise ValueError(
-                f"all_gather_into_tensor: output has {output_tensor.numel()} elements but must have "
-                f"group size ({g.size}) x input ({input_tensor.numel()}) = {input_tensor.numel() * g.size}; "
-                f"allocate it as torch.empty(({g.size} * n, ...)) or torch.empty(({g.size}, n, ...))"
-            )
+            raise blocks_error("all_gather_into_tensor", ("output", output_tensor), ("input", input_tensor), g.size,
+                               f"allocate it as torch.empty(({g.size} * n, ...)) or torch.empty(({g.size}, n, ...))")
         call = begin_sized(g, "all_gather_into_tensor", (input_tensor, output_tensor), None, None, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call

@@ -191,7 +191,7 @@ class ProcessGroup:
         only starts once everyone is there and cannot time out half-made (which,
         in Gloo's case, also printed C++ stack dumps from the peers' sockets).
         """
-        limit = seconds(timeout) or self.timeout_s
+        limit = self.timeout_s if timeout is None else (seconds(timeout) or 0.0)
         keys = [self._arrival_key(device_type, r) for r in range(self.size)]
         missing = [self.ranks[r] for r in missing_keys(self.store, keys, limit)]
         if not missing:

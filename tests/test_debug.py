@@ -149,3 +149,41 @@ def test_recorder_is_bounded_and_can_be_off():
     off = FlightRecorder(0)
     off.start("g", 0, "all_reduce", (torch.ones(1),))
     assert not off.entries and off.progress["g"][0] == 0
+
+
+def test_stopping_the_watchdog_waits_for_the_store_call_in_flight():
+    """A watchdog thread left inside a store call while the interpreter finalizes aborts the process,
+    so ``stop`` returns only once the thread's current step is over."""
+    import threading
+    import time
+
+    import torch.distributed as tdist
+
+    from spmd.debug.watchdog import Watchdog
+
+    in_call = threading.Event()
+
+    class SlowStore(tdist.Store):
+        """A store whose counter reads take 0.5 s once the watchdog runs (a store host under load)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = tdist.HashStore()
+            self.slow = False
+
+        def add(self, key: str, value: int) -> int:
+            if self.slow:
+                in_call.set()
+                time.sleep(0.5)
+            return self.inner.add(key, value)
+
+        def set(self, key: str, value: bytes | str) -> None:
+            self.inner.set(key, value)
+
+    store = SlowStore()
+    dog = Watchdog(store, rank=0, interval=0.05)
+    dog.start()
+    store.slow = True
+    assert in_call.wait(5.0)
+    dog.stop()
+    assert not dog.thread.is_alive()

@@ -85,8 +85,12 @@ class Watchdog:
             self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 0))
         self.thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 5.0) -> None:
+        """Stop the thread and wait (bounded) for its current step: a daemon thread still inside a
+        store call when the interpreter finalizes aborts the process (``terminate called``)."""
         self.stopped.set()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(wait_s)
 
     def _loop(self) -> None:
         step = min(self.interval, DEADLINE_STEP)

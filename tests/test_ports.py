@@ -38,6 +38,13 @@ def torch_version(script: Path, into: Path) -> Path:
     return target
 
 
+def result_rows(stdout: str) -> list[dict]:
+    """Every rank's ``RESULT {json}``. The ranks share one pipe, and an unbuffered ``print`` writes
+    its text and its newline apart, so another rank's output may follow a row on the same line."""
+    decoder = json.JSONDecoder()
+    return [decoder.raw_decode(chunk)[0] for chunk in stdout.split("RESULT ")[1:]]
+
+
 def launch(script: Path, how: str, args: list[str], launcher: list[str]) -> tuple[list[dict], str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
@@ -49,7 +56,7 @@ def launch(script: Path, how: str, args: list[str], launcher: list[str]) -> tupl
         cmd = [*launcher, "--nproc-per-node", "2", "--master-port", port, str(script), *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    rows = [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.replace("RESULT ", "\nRESULT ").splitlines() if line.startswith("RESULT ")]
+    rows = result_rows(out.stdout)
     assert len(rows) == 2, out.stdout
     return sorted(rows, key=lambda r: r["rank"]), out.stdout + out.stderr
 

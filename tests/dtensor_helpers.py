@@ -342,3 +342,38 @@ def custom_op_rule_from_plugin() -> dict[str, Any]:
         "equal": torch.allclose(out.full_tensor(), op(x, 2.0)),
         "fallback_warnings": [str(w.message) for w in caught if "no sharding rule" in str(w.message)],
     }
+
+
+_KIT_LIBRARY: list[Any] = []  # the test op's torch.library, defined once per worker process
+
+
+def kit_verdicts() -> dict[str, Any]:
+    """The conformance kit on a wrong rule (cumsum along dim 0 declared pointwise) and on inputs
+    that differ per rank (the kit must use rank 0's, as its docstring says)."""
+    import types
+
+    from spmd.plugins import manager
+    from spmd.tensor import pointwise_rule
+
+    if not _KIT_LIBRARY:
+        lib = torch.library.Library("spmd_kit_test", "DEF")
+        lib.define("cumsum0(Tensor x) -> Tensor")
+        lib.impl("cumsum0", lambda x: torch.cumsum(x, 0), "CPU")
+        torch.library.register_fake("spmd_kit_test::cumsum0", lambda x: torch.empty_like(x), lib=lib)
+        plugin = types.ModuleType("spmd_kit_test_rules")
+        plugin.spmd_sharding_rules = spmd.hookimpl(lambda: {torch.ops.spmd_kit_test.cumsum0.default: pointwise_rule})  # type: ignore[attr-defined]
+        manager().register(plugin, name="kit-test-rules")
+        _KIT_LIBRARY.append(lib)
+    out: dict[str, Any] = {}
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    try:
+        check_sharding(torch.ops.spmd_kit_test.cumsum0.default, x, grad=False)
+        out["wrong_rule"] = "passed"
+    except AssertionError as error:
+        out["wrong_rule"] = str(error)
+    differing = torch.randn(6, 4) + spmd.get_rank()  # unseeded, and offset: never equal across ranks
+    try:
+        out["differing_inputs"] = check_sharding(lambda a: a * 2 + 1, differing)
+    except AssertionError as error:
+        out["differing_inputs"] = str(error)
+    return out

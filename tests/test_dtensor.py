@@ -87,3 +87,12 @@ def test_third_party_rule_for_a_custom_op(spmd_world):
         assert r["owner"] == "example_rules"
         assert r["placements"] == ["Shard(dim=0)"]
         assert r["equal"] and r["fallback_warnings"] == []
+
+
+def test_conformance_kit_fails_a_wrong_rule_and_uses_rank_zeros_inputs(spmd_world):
+    for r in spmd_world(2, "gloo").run(h.kit_verdicts, timeout=120):
+        verdict = r["wrong_rule"]
+        assert verdict.startswith("cumsum0") and "failed" in verdict, verdict
+        failing = [line for line in verdict.splitlines()[1:] if line.startswith("mesh")]
+        assert failing and all("Shard(dim=0)" in line for line in failing), verdict  # sharded on dim 1 it is right
+        assert r["differing_inputs"] == 4, r["differing_inputs"]  # Replicate, Shard(0), Shard(1), Partial: all pass

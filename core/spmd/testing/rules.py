@@ -10,9 +10,9 @@ and an even size, a 2-D mesh (2, world / 2), every combination of input
 placements (Replicate, Shard on each dimension, Partial for floating-point
 inputs) is tried: the inputs are distributed, the op runs on DTensors, and
 ``full_tensor()`` of each output, and of each input's gradient, must equal the
-op run on the full tensors in one process. Inputs should have the same values
-on every rank (seed the generator). A failure raises AssertionError listing
-every failing combination.
+op run on the full tensors in one process. Rank 0's inputs are used on every
+rank (broadcast once per call, for the reference and every combination
+alike). A failure raises AssertionError listing every failing combination.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from spmd.comm.collectives import broadcast
 from spmd.comm.init import get_world_size
 from spmd.mesh import DeviceMesh, init_device_mesh
 from spmd.tensor.dtensor import DTensor, distribute_tensor
@@ -69,6 +70,7 @@ def check_sharding(
     them, the same on every rank); None tries them all. ``grad`` also compares
     the gradients of floating-point inputs.
     """
+    args = _rank_zeros(args)
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     differentiable = [i for i in positions if args[i].is_floating_point()] if grad else []
     reference_inputs = [a.detach().clone().requires_grad_(i in differentiable) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
@@ -102,6 +104,18 @@ def check_sharding(
     return ran
 
 
+def _rank_zeros(args: Sequence[Any]) -> list[Any]:
+    """``args`` with every tensor replaced by rank 0's (one broadcast each), so the reference and
+    every combination start from the same data on every rank without a broadcast per combination."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            a = a.detach().clone(memory_format=torch.contiguous_format)
+            broadcast(a, 0)
+        out.append(a)
+    return out
+
+
 def _check_one(
     op: Callable[..., Any],
     args: Sequence[Any],
@@ -118,7 +132,7 @@ def _check_one(
 ) -> str | None:
     dist_args = list(args)
     for i, placements in zip(positions, combo):
-        dt = distribute_tensor(args[i].detach().clone(), mesh, list(placements))
+        dt = distribute_tensor(args[i], mesh, list(placements), src_data_rank=None)  # (rank 0's data already)
         if i in differentiable:
             dt.requires_grad_()
         dist_args[i] = dt

@@ -70,7 +70,7 @@ def check_sharding(
     them, the same on every rank); None tries them all. ``grad`` also compares
     the gradients of floating-point inputs.
     """
-    args = _rank_zeros(args)
+    args = tuple(_rank_zeros(args))
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     differentiable = [i for i in positions if args[i].is_floating_point()] if grad else []
     reference_inputs = [a.detach().clone().requires_grad_(i in differentiable) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]

@@ -70,7 +70,7 @@ def check_sharding(
     them, the same on every rank); None tries them all. ``grad`` also compares
     the gradients of floating-point inputs.
     """
-    args = tuple(_rank_zeros(args))
+    args = _rank_zeros(args)
     positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     differentiable = [i for i in positions if args[i].is_floating_point()] if grad else []
     reference_inputs = [a.detach().clone().requires_grad_(i in differentiable) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
@@ -104,16 +104,14 @@ def check_sharding(
     return ran
 
 
-def _rank_zeros(args: Sequence[Any]) -> list[Any]:
+def _rank_zeros(args: Sequence[Any]) -> tuple[Any, ...]:
     """``args`` with every tensor replaced by rank 0's (one broadcast each), so the reference and
     every combination start from the same data on every rank without a broadcast per combination."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            a = a.detach().clone(memory_format=torch.contiguous_format)
-            broadcast(a, 0)
-        out.append(a)
-    return out
+    tensors = [a.detach().clone(memory_format=torch.contiguous_format) if isinstance(a, torch.Tensor) else a for a in args]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            broadcast(t, 0)
+    return tuple(tensors)
 
 
 def _check_one(

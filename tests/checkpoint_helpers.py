@@ -311,6 +311,36 @@ def async_save_failure(path: str) -> str:
     return "no error"
 
 
+def unasked_async_failure(path: str, after: str) -> str:
+    """An async save that fails while nobody asks its future: the next save raises its error."""
+    use_test_storage()
+    dcp.async_save({"x": torch.arange(4.0), "y": torch.ones(4)}, checkpoint_id=f"failing://{path}")
+    try:
+        dcp.save({"x": torch.arange(4.0)}, checkpoint_id=after)
+    except dcp.CheckpointError as error:
+        dcp.save({"x": torch.arange(4.0)}, checkpoint_id=after)  # reported once: the next save goes ahead
+        return str(error)
+    return "no error"
+
+
+def partial_targets(path: str) -> dict[str, Any]:
+    """Load and assign a stored full value into Partial DTensors of every reduce op; each must reduce to the value."""
+    from spmd import Partial
+    from spmd.checkpoint.state_dict import assign
+
+    mesh = spmd.init_device_mesh("cpu", (spmd.get_world_size(),))
+    value = torch.linspace(-3.0, 5.0, 12).reshape(3, 4)  # negative and positive: max(v, 0) or min(v, 0) would show
+    dcp.save({"v": value}, checkpoint_id=path)
+    out = {}
+    for op in ("sum", "avg", "max", "min"):
+        loaded = spmd.distribute_tensor(torch.full((3, 4), 99.0), mesh, [Partial(op)], src_data_rank=None)
+        dcp.load({"v": loaded}, checkpoint_id=path)
+        assigned = spmd.distribute_tensor(torch.full((3, 4), 99.0), mesh, [Partial(op)], src_data_rank=None)
+        assign(assigned, value)
+        out[op] = (bool(torch.equal(loaded.full_tensor(), value)), bool(torch.equal(assigned.full_tensor(), value)))
+    return out
+
+
 def save_then_die(good: str, bad: str) -> None:
     """Save to ``good``, then again through a storage whose rank 1 dies half-way (rank 0 then fails too)."""
     use_test_storage()

@@ -222,6 +222,51 @@ def test_a_rank_that_cannot_save_fails_every_rank_and_async_failures_reach_the_f
         assert "No space left on device (simulated)" in message
 
 
+def test_an_async_save_failure_nobody_asked_about_is_raised_by_the_next_save(spmd_world, tmp_path):
+    for message in spmd_world(2, "gloo").run(h.unasked_async_failure, str(tmp_path / "a"), str(tmp_path / "b"), timeout=60):
+        assert "previous async_save" in message and "No space left on device (simulated)" in message, message
+
+
+def test_partial_targets_get_the_value_for_every_reduce_op(spmd_world, tmp_path):
+    for r in spmd_world(2, "gloo").run(h.partial_targets, str(tmp_path / "p"), timeout=60):
+        assert r == {op: (True, True) for op in ("sum", "avg", "max", "min")}, r
+
+
+def test_a_cleanup_failure_after_the_commit_keeps_the_new_save(tmp_path, monkeypatch):
+    from spmd.checkpoint.filesystem import FileStorage
+
+    path = str(tmp_path / "c")
+    dcp.save({"x": torch.zeros(3)}, checkpoint_id=path)
+
+    def listing_fails(self, path: str = "") -> list[str]:
+        raise OSError("listing failed (simulated)")
+
+    monkeypatch.setattr(FileStorage, "listdir", listing_fails)
+    dcp.save({"x": torch.arange(3.0)}, checkpoint_id=path)  # committed before the listing: not an error
+    monkeypatch.undo()
+    loaded = {"x": torch.zeros(3)}
+    dcp.load(loaded, checkpoint_id=path)
+    assert torch.equal(loaded["x"], torch.arange(3.0))
+
+
+def test_only_data_directories_are_cleaned_up(tmp_path):
+    path = tmp_path / "c"
+    (path / "data-splits").mkdir(parents=True)
+    (path / "data-splits" / "train.txt").write_text("mine")
+    for step in range(2):
+        dcp.save({"x": torch.full((3,), float(step))}, checkpoint_id=str(path))
+    cleanup.wait()
+    assert (path / "data-splits" / "train.txt").read_text() == "mine"
+    assert len([n for n in os.listdir(path) if n.startswith("data-")]) == 2  # data-splits and the last save's
+
+
+def test_set_state_dict_refuses_a_value_of_another_shape():
+    net = torch.nn.Linear(3, 2)
+    for bad in ({"weight": torch.ones(1, 3), "bias": torch.ones(2)}, {"weight": torch.ones(2, 3), "bias": torch.tensor(7.0)}):
+        with pytest.raises(dcp.CheckpointError, match=r"model_state_dict\['(weight|bias)'\] has shape"):
+            dcp.set_model_state_dict(net, bad)
+
+
 def _storage_plugin(overrides: bool) -> object:
     from spmd.checkpoint.filesystem import FileStorage
     from spmd.markers import hookimpl

@@ -9,6 +9,8 @@ save (sync or async) and every load wait for the previous async save.
 
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from spmd.checkpoint.metadata import Metadata
+from spmd.checkpoint.metadata import CheckpointError, Metadata
 from spmd.checkpoint.planner import Box
 from spmd.checkpoint.ranks import private_ranks
 from spmd.checkpoint.save import execute, prepare
@@ -25,11 +27,15 @@ from spmd.checkpoint.save import execute, prepare
 class SaveFuture:
     """The outcome of one ``async_save``: ``result(timeout)``/``wait(timeout)`` raise if the save failed."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future, checkpoint_id: str) -> None:
         self._future = future
+        self.checkpoint_id = checkpoint_id
+        #: Whether the caller asked for the outcome; a failure nobody asked for is raised by the next save or load.
+        self.observed = False
 
     def result(self, timeout: float | None = None) -> Metadata | None:
         """Block until the save is committed (or failed, then raise); rank 0 gets the committed metadata."""
+        self.observed = True
         return self._future.result(timeout)
 
     wait = result
@@ -40,6 +46,7 @@ class SaveFuture:
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error the save raised, or None."""
+        self.observed = True
         return self._future.exception(timeout)
 
 
@@ -71,10 +78,30 @@ _lock = threading.Lock()
 
 
 def wait_pending() -> None:
-    """Wait for the previous async save to finish (its error, if any, was or will be raised by its future)."""
+    """Wait for the previous async save to finish; if it failed and nobody asked its future, raise its error here.
+
+    A training loop that calls ``async_save`` every N steps and never looks at
+    the futures still learns of a failed save: at the next save or load, on
+    every rank (a failed save fails on every rank), instead of at the restart
+    that finds the checkpoint missing. At exit, such a failure is printed.
+    """
     pending = _pending
-    if pending is not None:
-        pending.exception()
+    if pending is None:
+        return
+    error = pending._future.exception()
+    if error is not None and not pending.observed:
+        pending.observed = True
+        raise CheckpointError(f"the previous async_save to {pending.checkpoint_id!r} failed (its future was never "
+                              f"asked): {error}") from error
+
+
+@atexit.register
+def _report_unobserved_failure() -> None:
+    """At exit (the save thread has been joined by then), print a failed async save nobody asked about."""
+    pending = _pending
+    if pending is not None and pending.done() and not pending.observed and pending._future.exception() is not None:
+        print(f"spmd.checkpoint: the last async_save to {pending.checkpoint_id!r} failed and its future was never "
+              f"asked: {pending._future.exception()}", file=sys.stderr)
 
 
 def async_save(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_group: Any = None) -> SaveFuture:
@@ -97,5 +124,5 @@ def async_save(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_gro
         _stager.synchronize()
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spmd-async-save")
-        _pending = SaveFuture(_executor.submit(execute, job, ranks))
+        _pending = SaveFuture(_executor.submit(execute, job, ranks), str(checkpoint_id))
         return _pending

@@ -15,11 +15,11 @@ import torch
 
 from spmd.checkpoint.flatten import leaves, restore_value
 from spmd.checkpoint.metadata import (
-    DATA_PREFIX,
     METADATA_FILE,
     CheckpointError,
     Metadata,
     TensorEntry,
+    is_data_dir,
 )
 from spmd.checkpoint.planner import Box, covered, is_contiguous_box, plan_reads, span
 from spmd.checkpoint.safetensors_io import byte_view, tensor_from
@@ -29,7 +29,7 @@ from spmd.checkpoint.storage import Storage, open_storage
 def read_metadata(storage: Storage, checkpoint_id: str) -> Metadata:
     """The committed metadata, or an error that says whether the checkpoint is missing or partial."""
     if not storage.exists(METADATA_FILE):
-        partial = [n for n in storage.listdir() if n.startswith(DATA_PREFIX)]
+        partial = [n for n in storage.listdir() if is_data_dir(n)]
         if partial:
             raise CheckpointError(
                 f"checkpoint {checkpoint_id!r} is partial: it has data ({', '.join(partial)}) but no {METADATA_FILE}, "
@@ -42,7 +42,7 @@ def read_metadata(storage: Storage, checkpoint_id: str) -> Metadata:
 def _target(tensor: torch.Tensor) -> tuple[torch.Tensor, Box | None]:
     """The local tensor to fill and its box in the global tensor (None: this rank holds a zero summand)."""
     from spmd.tensor.dtensor import DTensor
-    from spmd.tensor.spec import local_shape_and_offset
+    from spmd.tensor.spec import holds_zero_summand, local_shape_and_offset
 
     if not isinstance(tensor, DTensor):
         return tensor, ((0,) * tensor.ndim, tuple(tensor.shape))
@@ -51,8 +51,8 @@ def _target(tensor: torch.Tensor) -> tuple[torch.Tensor, Box | None]:
     coordinate = spec.mesh.get_coordinate()
     if coordinate is None:
         return local, ((0,) * local.ndim, (0,) * local.ndim)
-    if any(p.is_partial() and coordinate[d] != 0 for d, p in enumerate(spec.placements)):
-        return local, None  # Partial: the first rank along the dimension holds the value, the others zero
+    if holds_zero_summand(spec, coordinate):
+        return local, None  # Partial("sum"): the first rank along the dimension holds the value, the others zero
     sizes, offsets = local_shape_and_offset(spec.shape, spec.mesh, spec.placements)
     return local, (offsets, sizes)
 

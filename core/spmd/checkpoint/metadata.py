@@ -9,6 +9,7 @@ that far leaves the previous one untouched.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,9 @@ FORMAT = "spmd-checkpoint"
 VERSION = 1
 METADATA_FILE = "metadata.json"
 DATA_PREFIX = "data-"
+#: A save's data directory: DATA_PREFIX and 12 hex digits. Only such names are ever removed or called
+#: partial, so a user's own ``data-splits/`` beside a checkpoint is left alone.
+DATA_DIR = re.compile(r"data-[0-9a-f]{12}")
 
 #: torch dtype <-> safetensors dtype name.
 DTYPES: dict[torch.dtype, str] = {
@@ -38,6 +42,11 @@ DTYPES: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
 }
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
+
+
+def is_data_dir(name: str) -> bool:
+    """Whether ``name`` (a top-level entry of a checkpoint) is a save's data directory."""
+    return DATA_DIR.fullmatch(name) is not None
 
 
 class CheckpointError(RuntimeError):

@@ -28,6 +28,7 @@ from spmd.checkpoint.metadata import (
     Metadata,
     TensorEntry,
     dtype_name,
+    is_data_dir,
 )
 from spmd.checkpoint.planner import (
     Box,
@@ -144,10 +145,11 @@ def execute(job: SaveJob, ranks: Ranks, storage: Storage | None = None) -> Metad
         try:
             metadata = _metadata(job, outcomes)
             storage.write_atomic(METADATA_FILE, metadata.to_json())
-            remove_later(storage, [n for n in storage.listdir() if n.startswith(DATA_PREFIX) and n != job.data_dir])
         except Exception as error:  # noqa: BLE001 - reported to every rank, then raised
             commit_error = f"rank 0 committing {METADATA_FILE}: {type(error).__name__}: {error}"
             _discard(storage, job.data_dir)
+        else:  # committed: the new metadata names job.data_dir, so nothing after this may remove it
+            _remove_superseded(storage, job.data_dir)
     committed = ranks.gather(commit_error)
     failures += [c for c in committed if c]
     if failures:
@@ -156,6 +158,14 @@ def execute(job: SaveJob, ranks: Ranks, storage: Storage | None = None) -> Metad
             f"if any, is unchanged. {'; '.join(failures)}"
         )
     return metadata
+
+
+def _remove_superseded(storage: Storage, data_dir: str) -> None:
+    """Hand the older saves' data directories to the background cleanup; a failure leaves them to the next save."""
+    try:
+        remove_later(storage, [n for n in storage.listdir() if is_data_dir(n) and n != data_dir])
+    except Exception:  # noqa: BLE001 - the save is committed; garbage that stays goes at the next commit
+        pass
 
 
 def _discard(storage: Storage, data_dir: str) -> None:

@@ -129,11 +129,21 @@ def get_state_dict(
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizers, options=options)
 
 
-def assign(target: torch.Tensor, value: Any) -> None:
-    """Copy ``value`` into ``target`` in place, whatever each one's placements (a full tensor into a shard too)."""
-    from spmd.tensor.dtensor import DTensor
-    from spmd.tensor.spec import local_piece
+def assign(target: torch.Tensor, value: Any, what: str = "value") -> None:
+    """Copy ``value`` into ``target`` in place, whatever each one's placements (a full tensor into a shard too).
 
+    The global shapes must be equal (as torch's ``load_state_dict`` requires):
+    a copy would broadcast a smaller value, and slicing a shard out of a
+    larger one would truncate it, both without an error.
+    """
+    from spmd.tensor.dtensor import DTensor
+    from spmd.tensor.spec import holds_zero_summand, local_piece
+
+    shape = tuple(target._spec.shape) if isinstance(target, DTensor) else tuple(target.shape)
+    given = tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(torch.as_tensor(value).shape)
+    if given != shape:
+        raise CheckpointError(f"{what} has shape {list(given)} but the tensor it should fill has shape {list(shape)}; "
+                              "load a state dict of the same model (resharding changes placements, not shapes)")
     with torch.no_grad():
         if isinstance(target, DTensor):
             spec = target._spec
@@ -144,10 +154,13 @@ def assign(target: torch.Tensor, value: Any) -> None:
                     target._local_tensor.copy_(value._local_tensor)
                     return
             value = torch.as_tensor(value)
-            if value.ndim == 0 or spec.mesh.get_coordinate() is None:
-                target._local_tensor.copy_(value)
+            coordinate = spec.mesh.get_coordinate()
+            if coordinate is None:  # not in the mesh: no piece to fill
                 return
-            target._local_tensor.copy_(local_piece(value, spec))
+            if holds_zero_summand(spec, coordinate):
+                target._local_tensor.zero_()
+            else:
+                target._local_tensor.copy_(local_piece(value, spec) if value.ndim else value)
         else:
             target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
 
@@ -162,7 +175,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Mapping[str, Any], 
         raise CheckpointError(f"set_state_dict: the model state dict lacks {missing[:8]} and has unknown keys {unexpected[:8]}")
     for key, value in model_state_dict.items():
         if key in own and isinstance(own[key], torch.Tensor):
-            assign(own[key], value)
+            assign(own[key], value, f"model_state_dict[{key!r}]")
 
 
 def set_optimizer_state_dict(
@@ -183,7 +196,7 @@ def set_optimizer_state_dict(
                 state = optimizer.state[p]
                 for k, v in saved_state.get(fqn, {}).items():
                     if isinstance(state.get(k), torch.Tensor) and isinstance(v, torch.Tensor):
-                        assign(state[k], v)
+                        assign(state[k], v, f"optimizer state {k!r} of {fqn!r}")
                     else:
                         state[k] = v
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from spmd.mesh import DeviceMesh
-from spmd.tensor.placements import Placement, Replicate, Shard, chunk_offset, chunk_sizes
+from spmd.tensor.placements import Partial, Placement, Replicate, Shard, chunk_offset, chunk_sizes
 
 #: Every (placements, shape, stride, dtype) seen, numbered: as many entries as distinct layouts in the job.
 _LAYOUT_KEYS: dict[tuple, int] = {}
@@ -74,6 +74,12 @@ def local_piece(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     """This rank's piece of the global tensor ``full`` under ``spec`` (a view; Partial is taken as Replicate)."""
     sizes, offsets = local_shape_and_offset(spec.shape, spec.mesh, spec.placements)
     return full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))]
+
+
+def holds_zero_summand(spec: DTensorSpec, coordinate: tuple[int, ...] | list[int]) -> bool:
+    """Whether this rank's piece of a full value placed under ``spec`` is zeros: along a Partial("sum") mesh
+    dimension only the first rank holds the value (the sum is then the value); avg, max and min hold it everywhere."""
+    return any(isinstance(p, Partial) and p.reduce_op == "sum" and coordinate[d] != 0 for d, p in enumerate(spec.placements))
 
 
 def size_before(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[Placement, ...], mesh_dim: int, dim: int) -> int:

@@ -97,7 +97,11 @@ def parity(case: str) -> dict[str, Any]:
         accumulate = case == "no_sync" and step % 2 == 0
         for model in (ours, theirs):
             with model.no_sync() if accumulate else nullcontext():
-                loss = nn.functional.mse_loss(model(x, use_extra=_uses_extra(case, step, rank)), y)
+                out = model(x, use_extra=_uses_extra(case, step, rank))
+                if case == "no_grad_forward":  # a bootstrap target (DQN, actor-critic) between forward and backward
+                    with torch.no_grad():
+                        y = batch(step, rank)[1] + 0.1 * model(x.flip(0))
+                loss = nn.functional.mse_loss(out, y)
                 loss.backward()
         _same_grads(ours.module, theirs.module, step)  # local inside no_sync, averaged otherwise
         if not accumulate:

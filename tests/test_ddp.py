@@ -10,7 +10,7 @@ from spmd.parallel import StrategyNotFoundError, get_strategy
 from spmd.parallel.buckets import assign_buckets
 
 
-@pytest.mark.parametrize("case", ["plain", "no_sync", "unused", "buckets"])
+@pytest.mark.parametrize("case", ["plain", "no_sync", "unused", "buckets", "no_grad_forward"])
 def test_parity_with_torch_ddp(spmd_world, case):
     results = spmd_world(2, "gloo").run(ddp_helpers.parity, case, timeout=90)
     assert all(r["changed"] for r in results)

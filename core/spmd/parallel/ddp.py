@@ -124,8 +124,9 @@ class DistributedDataParallel(nn.Module):
         output = self.module(*inputs, **kwargs)
         if sync:
             self.reducer.prepare(output)
-        else:
+        elif torch.is_grad_enabled():  # no_sync: this forward's backward accumulates locally
             self.reducer.disarm()
+        # (a forward under no_grad has no backward: the pending one, if any, still reduces, as in torch)
         return output
 
     @contextmanager

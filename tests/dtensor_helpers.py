@@ -168,6 +168,9 @@ def _cases() -> dict[str, tuple]:
         "sub_broadcast": (torch.sub, r(5, 3), r(3)),
         "mul": (torch.mul, r(5, 3), r(5, 3)),
         "div_scalar": (lambda x: x / 3.0, r(5, 3)),
+        "div_floor": (lambda x: torch.div(x, 0.7, rounding_mode="floor"), r(5, 3)),  # not linear
+        "div_into_scalar": (lambda x: torch.div(torch.tensor(2.0), x), r(5, 3).abs() + 1),  # partial denominator
+        "to_int": (lambda x: x.to(torch.int64), r(5, 3) * 3),  # truncation is not linear
         "gelu": (F.gelu, r(5, 3)),
         "relu_inplace": (lambda x: x.clone().relu_(), r(5, 3)),
         "add_inplace": (lambda x, y: x.clone().add_(y), r(5, 3), r(5, 3)),
@@ -201,6 +204,8 @@ def _cases() -> dict[str, tuple]:
         "expand": (lambda x: x.expand(4, 5, 3), r(5, 3)),
         "unsqueeze": (lambda x: x.unsqueeze(1), r(5, 3)),
         "squeeze": (lambda x: x.squeeze(1), r(5, 1, 3)),
+        "squeeze_all": (lambda x: x.squeeze(), r(2, 1)),  # shards of local size 1 along a longer dimension stay
+        "squeeze_dim0": (lambda x: x.squeeze(0), r(4, 3)),
         "split": (lambda x: x.split([1, 2], 1), r(5, 3)),
         "chunk": (lambda x: x.chunk(2, 0), r(5, 3)),
         "cat": (lambda a, b: torch.cat([a, b], 1), r(5, 3), r(5, 2)),
@@ -211,6 +216,7 @@ def _cases() -> dict[str, tuple]:
         "zeros_like": (lambda x: torch.zeros_like(x) + x, r(5, 3)),
         "ones_like": (lambda x: torch.ones_like(x) * x, r(5, 3)),
         "copy": (lambda x, y: x.clone().copy_(y), r(5, 3), r(5, 3)),
+        "copy_broadcast": (lambda x, y: x.clone().copy_(y), r(4, 3), r(3)),
         "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), r(2, 2, 4, 3), r(2, 2, 4, 3), r(2, 2, 4, 3)),
     }
 
@@ -376,4 +382,22 @@ def kit_verdicts() -> dict[str, Any]:
         out["differing_inputs"] = check_sharding(lambda a: a * 2 + 1, differing)
     except AssertionError as error:
         out["differing_inputs"] = str(error)
+    return out
+
+
+def redistributed_tensors_own_their_data() -> dict[str, Any]:
+    """An in-place op on a redistributed tensor leaves its source alone; uneven from_local shards fail run_check."""
+    mesh = spmd.init_device_mesh("cpu", (spmd.get_world_size(),))
+    x = spmd.distribute_tensor(torch.ones(4, 2), mesh, [Replicate()])
+    out: dict[str, Any] = {}
+    for p in (Shard(0), Partial()):
+        y = x.redistribute(mesh, [p])
+        y.mul_(0)
+        out[str(p)] = bool(x.to_local().eq(1).all())  # still replicated: the same ones on every rank
+    local = torch.ones(4 - spmd.get_rank(), 3)  # 4 rows on rank 0, 3 on rank 1: each rank derives another global shape
+    try:
+        DTensor.from_local(local, mesh, [Shard(0)], run_check=True)
+        out["uneven"] = "no error"
+    except ValueError as error:
+        out["uneven"] = str(error)
     return out

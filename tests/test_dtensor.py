@@ -96,3 +96,9 @@ def test_conformance_kit_fails_a_wrong_rule_and_uses_rank_zeros_inputs(spmd_worl
         failing = [line for line in verdict.splitlines()[1:] if line.startswith("mesh")]
         assert failing and all("Shard(dim=0)" in line for line in failing), verdict  # sharded on dim 1 it is right
         assert r["differing_inputs"] == 4, r["differing_inputs"]  # Replicate, Shard(0), Shard(1), Partial: all pass
+
+
+def test_redistributed_tensors_own_their_data_and_uneven_from_local_fails_run_check(spmd_world):
+    for r in spmd_world(2, "gloo").run(h.redistributed_tensors_own_their_data, timeout=60):
+        assert r["Shard(dim=0)"] and r["Partial(sum)"], r
+        assert "different global shapes" in r["uneven"] and "pass shape=" in r["uneven"], r["uneven"]

@@ -44,6 +44,12 @@ def test_vocabulary_parallel_embedding_and_loss_parallel(spmd_world):
         assert r["gathered_logits"] == 0  # the class dimension was never gathered
 
 
+def test_loss_parallel_with_a_rank_that_holds_no_class(spmd_world):
+    results = spmd_world(4, "gloo").run(h.loss_parallel_with_a_rank_holding_no_class, timeout=120)
+    assert [r["local_classes"] for r in results] == [2, 2, 2, 0]
+    assert all(r["loss"] < TOL and r["grad"] < TOL for r in results), results
+
+
 def test_wildcard_plan_named_style_and_third_party_style(spmd_world):
     for r in spmd_world(2, "gloo").run(h.wildcard_plan_and_custom_style, timeout=120):
         assert r["placements"]["layers.1.fc1.weight"] == ["Shard(dim=0)"]

@@ -280,3 +280,22 @@ def tensor_parallel_inside_fsdp(steps: int = 3) -> dict[str, Any]:
         "q_layout": (q.device_mesh.mesh_dim_names, [str(p) for p in q.placements], tuple(q.to_local().shape)),
         "norm_layout": [str(p) for p in model.blocks[0].norm1.weight.placements],
     }
+
+
+def loss_parallel_with_a_rank_holding_no_class() -> dict[str, Any]:
+    """6 classes on 4 ranks (2, 2, 2 and 0): the rank without classes joins every reduction; loss and gradient equal torch's."""
+    mesh = spmd.init_device_mesh("cpu", (spmd.get_world_size(),), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(5, 6, generator=g)
+    target = torch.randint(0, 6, (5,), generator=g)
+    logits = spmd.distribute_tensor(full, mesh, [Shard(1)]).requires_grad_()
+    with loss_parallel():
+        loss = F.cross_entropy(logits, spmd.distribute_tensor(target, mesh, [Replicate()]))
+        loss.backward()
+    ref = full.clone().requires_grad_()
+    F.cross_entropy(ref, target).backward()
+    return {
+        "local_classes": logits.to_local().shape[1],
+        "loss": abs(float(loss.full_tensor()) - float(F.cross_entropy(full, target))),
+        "grad": float((logits.grad.full_tensor() - ref.grad).abs().max()),
+    }

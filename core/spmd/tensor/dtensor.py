@@ -239,7 +239,13 @@ def _check_shapes_across_ranks(local: torch.Tensor, spec: DTensorSpec) -> None:
     for mesh_dim in range(spec.mesh.ndim):
         group = spec.mesh.get_group(mesh_dim)
         seen: list[Any] = [None] * group.size
-        all_gather_object(seen, (tuple(local.shape), str(local.dtype)), group=group)
+        all_gather_object(seen, (tuple(local.shape), str(local.dtype), spec.shape), group=group)
         dtypes = {s[1] for s in seen}
         if len(dtypes) > 1:
             raise ValueError(f"DTensor.from_local: ranks along mesh dimension {mesh_dim} hold different dtypes {seen}")
+        if len({s[2] for s in seen}) > 1:
+            raise ValueError(
+                f"DTensor.from_local: ranks along mesh dimension {mesh_dim} make different global shapes of their "
+                f"local shards (local, dtype, global: {seen}): the shards are uneven; pass shape= (the global shape) "
+                "on every rank"
+            )

@@ -115,6 +115,10 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placem
     return local
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 class Redistribute(torch.autograd.Function):
     """Differentiable redistribution: the backward moves the gradient back to the source placements.
 
@@ -129,6 +133,10 @@ class Redistribute(torch.autograd.Function):
         spec = input._spec
         ctx.src = spec
         local = redistribute_local(input._local_tensor, spec, placements)
+        if placements != spec.placements and _shares_memory(local, input._local_tensor):
+            # Replicate -> Shard narrows, Replicate -> Partial keeps rank 0's tensor: an in-place op on the
+            # result would write into the source, which would then differ across the ranks it is replicated on
+            local = local.clone()
         return DTensor(local, spec.with_placements(placements), requires_grad=local.requires_grad)
 
     @staticmethod

@@ -120,7 +120,7 @@ class Decompose:
 # -- ready-made rules -----------------------------------------------------------------------------
 
 
-def _aligned(arg: TensorArg, out_ndim: int, out_shape: tuple[int, ...], dim: int) -> int | None:
+def aligned_dim(arg: TensorArg, out_ndim: int, out_shape: tuple[int, ...], dim: int) -> int | None:
     """The dimension of ``arg`` that broadcasts to output dimension ``dim``, or None if it is broadcast."""
     offset = out_ndim - arg.ndim
     d = dim - offset
@@ -144,10 +144,10 @@ def _elementwise(call: OpCall, linear: bool) -> Sharding:
         p = arg.placement
         if isinstance(p, Shard):
             out_dim = p.dim + (out.ndim - arg.ndim)
-            if _aligned(arg, out.ndim, out.shape, out_dim) is not None:
+            if aligned_dim(arg, out.ndim, out.shape, out_dim) is not None:
                 wanted: list[Placement] = []
                 for other in inputs:
-                    d = _aligned(other, out.ndim, out.shape, out_dim)
+                    d = aligned_dim(other, out.ndim, out.shape, out_dim)
                     wanted.append(Shard(d) if d is not None else REPLICATE)
                 return Sharding(wanted, [Shard(out_dim)] * n_out)
     # 2. partial sums pass through linear ops (in place only onto a partial ``self``: an op never turns
@@ -162,7 +162,9 @@ def _elementwise(call: OpCall, linear: bool) -> Sharding:
                 return Sharding([partials[0]] * len(inputs), [partials[0]] * n_out)
             return Sharding([REPLICATE] * len(inputs), [REPLICATE] * n_out)
         first = next(i for i, a in enumerate(inputs) if isinstance(a.placement, Partial))
-        if name not in _NUMERATOR_ONLY or first == 0:  # scaling: one operand partial, the rest replicated
+        # scaling: one operand partial, the rest replicated (a quotient only in its numerator: the call's first
+        # argument, which a plain 0-dim tensor, not among the DTensor inputs, may also be)
+        if name not in _NUMERATOR_ONLY or (call.args and call.args[0] is inputs[first]):
             scaled: list[Placement] = [partials[0] if i == first else REPLICATE for i in range(len(inputs))]
             return Sharding(scaled, [partials[0]] * n_out)
     return Sharding([REPLICATE] * len(inputs), [REPLICATE] * n_out)

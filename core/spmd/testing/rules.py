@@ -8,7 +8,7 @@ Call it on every rank of a job (inside a test world, for example)::
 For a 1-D mesh of the whole world and, when the world has 4 or more ranks
 and an even size, a 2-D mesh (2, world / 2), every combination of input
 placements (Replicate, Shard on each dimension, Partial for floating-point
-inputs) is tried: the inputs are distributed, the op runs on DTensors, and
+inputs, its summands made non-zero on every rank) is tried: the inputs are distributed, the op runs on DTensors, and
 ``full_tensor()`` of each output, and of each input's gradient, must equal the
 op run on the full tensors in one process. Rank 0's inputs are used on every
 rank (broadcast once per call, for the reference and every combination
@@ -131,6 +131,7 @@ def _check_one(
     dist_args = list(args)
     for i, placements in zip(positions, combo):
         dt = distribute_tensor(args[i], mesh, list(placements), src_data_rank=None)  # (rank 0's data already)
+        _split_summands(dt, i)
         if i in differentiable:
             dt.requires_grad_()
         dist_args[i] = dt
@@ -158,6 +159,26 @@ def _check_one(
             if not torch.allclose(full, want_grad, atol=atol, rtol=rtol):
                 return f"gradient of input {i} differs (max error {_error(full, want_grad)}; placements {list(got_grad.placements)})"
     return None
+
+
+def _split_summands(dt: DTensor, seed: int) -> None:
+    """Make every summand of a Partial input non-zero: add noise that sums to zero along each Partial mesh dimension.
+
+    ``distribute_tensor`` gives a Partial tensor's value to one rank and zeros
+    to the others, and f(v) + f(0) == f(v) for relu, floor, casts to int...: a
+    rule that let a partial sum through such an op would pass. With summands
+    like v + d and -d it cannot.
+    """
+    coordinate = dt.device_mesh.get_coordinate()
+    local = dt._local_tensor
+    if coordinate is None or not local.is_floating_point():
+        return
+    with torch.no_grad():
+        for m, p in enumerate(dt.placements):
+            if isinstance(p, Partial):
+                generator = torch.Generator().manual_seed(1000 * seed + m)
+                noise = torch.randn((dt.device_mesh.size(m), *local.shape), generator=generator).to(local.dtype)
+                local.add_(noise[coordinate[m]] - noise.mean(0))
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> str:

@@ -48,7 +48,11 @@ def _log_softmax(x: Any, dim: int, half_to_float: bool) -> Any:
         return dispatch_by_rule(aten._log_softmax.default, (x, dim, half_to_float), {})
     group = x.device_mesh.get_group(m)
     local = x._local_tensor
-    top = comm.all_reduce(local.amax(dim, keepdim=True), group, ReduceOp.MAX)
+    if local.size(dim):
+        top = local.amax(dim, keepdim=True)
+    else:  # this rank holds no classes (9 classes on 4 ranks): it still joins the reduction, with -inf
+        top = local.new_full([1 if d == dim % local.ndim else n for d, n in enumerate(local.shape)], float("-inf"))
+    top = comm.all_reduce(top, group, ReduceOp.MAX)
     shifted = local - top
     total = comm.all_reduce(shifted.exp().sum(dim, keepdim=True), group, ReduceOp.SUM)
     return _wrap(shifted - total.log(), x._spec, x.placements, tuple(x.shape))

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.placements import Partial, Placement, Replicate
-from spmd.tensor.rule import LocalInfo, OpCall, Sharding
+from spmd.tensor.placements import Partial, Placement, Replicate, Shard
+from spmd.tensor.rule import LocalInfo, OpCall, Sharding, aligned_dim
 
 aten = torch.ops.aten
 R = Replicate()
@@ -47,9 +47,17 @@ def new_factory_rule(call: OpCall) -> Sharding:
 
 
 def copy_rule(call: OpCall) -> Sharding:
-    """copy_(self, src): self keeps its placement and src is moved to it."""
-    p = call.inputs[0].placement
-    return Sharding([p] * len(call.inputs), [p])
+    """copy_(self, src): self keeps its placement and src is moved to match it; a src that broadcasts to
+    self's shape is sharded on its own aligned dimension, or replicated along a broadcast one."""
+    x = call.inputs[0]
+    p = x.placement
+    if not isinstance(p, Shard):
+        return Sharding([p] * len(call.inputs), [p])
+    wanted: list[Placement] = [p]
+    for src in call.inputs[1:]:
+        d = aligned_dim(src, x.ndim, x.shape, p.dim)
+        wanted.append(Shard(d) if d is not None else Replicate())
+    return Sharding(wanted, [p])
 
 
 def keep_rule(call: OpCall) -> Sharding:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from spmd.tensor.rule import linear_pointwise_rule, pointwise_rule
+from spmd.tensor.rule import OpCall, Sharding, linear_pointwise_rule, pointwise_rule
 
 aten = torch.ops.aten
 
@@ -47,11 +47,23 @@ def _overloads(name: str) -> list[Any]:
     return found
 
 
+def cast_rule(call: OpCall) -> Sharding:
+    """``_to_copy``: linear into a floating or complex dtype; rounding into an integer or bool is not, so a
+    partial sum is resolved first (the sum of truncated summands is not the truncated sum)."""
+    dtype = call.outputs[0].dtype if call.outputs else None
+    if dtype is not None and (dtype.is_floating_point or dtype.is_complex):
+        return linear_pointwise_rule(call)
+    return pointwise_rule(call)
+
+
 def rules() -> dict[Any, Any]:
     table: dict[Any, Any] = {}
     for name in LINEAR:
         for op in _overloads(name):
-            table[op] = linear_pointwise_rule
+            # div's rounding modes (floor, trunc) are not linear
+            table[op] = pointwise_rule if op._overloadname.endswith("mode") else linear_pointwise_rule
+    for op in _overloads("_to_copy"):
+        table[op] = cast_rule
     for name in NONLINEAR:
         for op in _overloads(name):
             table[op] = pointwise_rule

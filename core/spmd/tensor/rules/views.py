@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from spmd.tensor.placements import Partial, Placement, Replicate, Shard
-from spmd.tensor.rule import LocalInfo, OpCall, Sharding, TensorArg
+from spmd.tensor.rule import Decompose, LocalInfo, OpCall, Sharding, TensorArg
 
 aten = torch.ops.aten
 R = Replicate()
@@ -145,17 +145,16 @@ def _unsqueeze_dim(call: OpCall, d: int) -> int:
     return d + 1 if d >= at else d
 
 
-def _squeeze_dim(call: OpCall, d: int) -> int | None:
-    x = call.inputs[0]
-    dims = call.arg(1, "dim", None)
-    if dims is None:
-        candidates = list(range(x.ndim))
+def _squeeze(x: Any, dim: Any = None) -> Any:
+    """squeeze decided by the global shape, run as a ``view``: a shard of local size 1 (or 0) along a dimension
+    that is longer globally stays, where a squeeze of the local tensor would drop it from this rank only."""
+    shape = tuple(x.shape)
+    ndim = len(shape)
+    if dim is None:
+        candidates = set(range(ndim))
     else:
-        candidates = [_norm(k, x.ndim) for k in ([dims] if isinstance(dims, int) else dims)]
-    removed = [k for k in candidates if x.shape[k] == 1]
-    if d in removed:
-        return None
-    return d - sum(1 for k in removed if k < d)
+        candidates = {_norm(k, max(ndim, 1)) for k in ([dim] if isinstance(dim, int) else dim)}
+    return aten.view.default(x, [n for k, n in enumerate(shape) if not (k in candidates and n == 1)])
 
 
 def _not_along(arg_index: int, name: str, default: int = 0, drops: bool = False) -> Callable[[OpCall, int], int | None]:
@@ -223,9 +222,9 @@ def rules() -> dict[Any, Any]:
         aten.permute.default: _dim_rule(_permute_dim),
         aten.expand.default: _sized(_dim_rule(_expand_dim), 1, "size"),
         aten.unsqueeze.default: _dim_rule(_unsqueeze_dim),
-        aten.squeeze.default: _dim_rule(_squeeze_dim),
-        aten.squeeze.dim: _dim_rule(_squeeze_dim),
-        aten.squeeze.dims: _dim_rule(_squeeze_dim),
+        aten.squeeze.default: Decompose(_squeeze),
+        aten.squeeze.dim: Decompose(_squeeze),
+        aten.squeeze.dims: Decompose(_squeeze),
         aten.split.Tensor: _dim_rule(_not_along(2, "dim")),
         aten.split_with_sizes.default: _dim_rule(_not_along(2, "dim")),
         aten.unbind.int: _dim_rule(_not_along(1, "dim", drops=True)),

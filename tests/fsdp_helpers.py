@@ -194,8 +194,10 @@ def unshard_and_strategy() -> dict[str, Any]:
     spmd_grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     # Each rank used its own batch of the same data here, so the average is the reference gradient.
     grads = all(torch.allclose(spmd_grads[k], ref_grads[k], atol=1e-6) for k in ref_grads)
+    inf_norm = clip_grad_norm_(model.parameters(), 1e9, norm_type=float("inf"))  # (max_norm too large to clip)
+    ref_inf_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9, norm_type=float("inf"))
     norm = clip_grad_norm_(model.parameters(), 0.05)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
     clipped = all(torch.allclose(p.grad.full_tensor(), q.grad, atol=1e-7) for p, q in zip(model.parameters(), ref.parameters()))
     return {"units": len(units), "state": state, "after": model.blocks[0]._spmd_fsdp_unit.state, "grads": grads,
-            "norm": (norm.item(), ref_norm.item()), "clipped": clipped}
+            "norm": (norm.item(), ref_norm.item()), "inf_norm": (inf_norm.item(), ref_inf_norm.item()), "clipped": clipped}

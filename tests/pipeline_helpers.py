@@ -69,13 +69,18 @@ def run_step(name: str, stages_per_rank: int, n_microbatches: int, group: Any = 
     }
 
 
-def third_party() -> dict[str, Any]:
-    """Register the test plugin here, run its schedule; the broken one fails before any transfer."""
+def _use_test_schedules() -> None:
+    """Register the test schedule plugin in this process (once)."""
     import pipeline_plugin
 
     pm = spmd.plugins.manager()
     if pm.get_plugin("test-pipeline") is None:
         pm.register(pipeline_plugin, name="test-pipeline")
+
+
+def third_party() -> dict[str, Any]:
+    """Register the test plugin here, run its schedule; the broken one fails before any transfer."""
+    _use_test_schedules()
     result = run_step("test_reverse_gpipe", 1, 4)
     g = spmd.new_group()
     stage = PipelineStage(nn.Linear(2, 2), g.rank, g.size, "cpu", group=g)
@@ -109,6 +114,8 @@ def with_ddp(name: str, n_microbatches: int) -> dict[str, Any]:
     """Pipeline over "pp", DDP over "dp" on a (2, 2) mesh; each dp replica gets half the batch."""
     from spmd.parallel import DistributedDataParallel
 
+    if name.startswith("test_"):
+        _use_test_schedules()
     mesh = spmd.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp, dp = mesh.get_group("pp"), mesh.get_group("dp")
     pieces = split_module(make_model(2), num_stages=2)

@@ -20,6 +20,21 @@ class ReverseGPipe(Schedule):
         return with_communication(compute, num_stages)
 
 
+class SplitsTheFirstBackward(Schedule):
+    """GPipe whose first microbatch's backward is split into B and W; the later ones are whole and run after that W."""
+
+    name = "test_splits_the_first_backward"
+
+    @classmethod
+    def programs(cls, num_stages: int, stages_per_rank: int, n_microbatches: int) -> dict[int, list[Action]]:
+        compute = {
+            r: [Action(r, m, Kind.F) for m in range(n_microbatches)] + [Action(r, 0, Kind.B), Action(r, 0, Kind.W)]
+            + [Action(r, m, Kind.B) for m in range(1, n_microbatches)]
+            for r in range(num_stages)
+        }
+        return with_communication(compute, num_stages)
+
+
 class DropsAReceive(Schedule):
     """1F1B whose last rank forgets to receive microbatch 1: must fail at construction, never hang."""
 
@@ -36,4 +51,4 @@ class DropsAReceive(Schedule):
 @spmd.hookimpl
 def spmd_schedules() -> list[type]:
     """The test schedules."""
-    return [ReverseGPipe, DropsAReceive]
+    return [ReverseGPipe, SplitsTheFirstBackward, DropsAReceive]

@@ -78,6 +78,7 @@ def test_unshard_reshard_prefetch_lists_and_strategy_by_name(spmd_world):
         assert r["state"] == "unsharded" and r["after"] == "sharded"
         assert r["grads"]
         assert math.isclose(*r["norm"], rel_tol=1e-5) and r["norm"][1] > 0.05 and r["clipped"]
+        assert math.isclose(*r["inf_norm"], rel_tol=1e-6) and r["inf_norm"][1] > 0, r["inf_norm"]
 
 
 def test_train_example_fsdp_follows_ddp_loss_curve(tmp_path):

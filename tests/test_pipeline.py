@@ -69,7 +69,7 @@ def test_third_party_schedule_runs_and_a_broken_one_never_reaches_the_runtime(sp
         assert r["p2p_after_broken"] == 0
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1", "test_splits_the_first_backward"])
 def test_pipeline_over_pp_and_ddp_over_dp(spmd_world, name):
     results = spmd_world(4, "gloo").run(h.with_ddp, name, 4, timeout=180)
     grads, _ = h.reference(2, 4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,8 +23,12 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     each rank's local ``|g|^p`` per set of sharding groups and all-reduces those
     scalars over the groups the gradients are sharded on (replicas hold equal
     shards), so plain, replicated, FSDP- and TP-sharded gradients mix freely.
-    Only finite ``norm_type`` (not inf).
+    ``norm_type=inf`` takes the largest ``|g|`` instead, with MAX all-reduces.
     """
+    norm_type = float(norm_type)
+    infinite = norm_type == math.inf
+    if not infinite and not (math.isfinite(norm_type) and norm_type > 0):
+        raise ValueError(f"clip_grad_norm_: norm_type={norm_type} is not supported; use a positive number or inf")
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
@@ -44,14 +49,18 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
                     key += (tuple(group.ranks),)
         else:
             part = g
-        term = part.double().abs().pow(norm_type).sum()
-        sums[key] = sums[key] + term if key in sums else term
+        if infinite:
+            term = part.double().abs().amax() if part.numel() else torch.zeros((), dtype=torch.float64)
+            sums[key] = torch.maximum(sums[key], term) if key in sums else term
+        else:
+            term = part.double().abs().pow(norm_type).sum()
+            sums[key] = sums[key] + term if key in sums else term
     total_pow = torch.zeros((), dtype=torch.float64)
     for key, value in sums.items():
         for ranks in key:  # one scalar all-reduce per group a set of gradients is sharded over
-            collectives.all_reduce(value, op=ReduceOp.SUM, group=groups[ranks])
-        total_pow += value
-    total = total_pow.pow(1.0 / norm_type).float()
+            collectives.all_reduce(value, op=ReduceOp.MAX if infinite else ReduceOp.SUM, group=groups[ranks])
+        total_pow = torch.maximum(total_pow, value) if infinite else total_pow + value
+    total = (total_pow if infinite else total_pow.pow(1.0 / norm_type)).float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         target = g._local_tensor if isinstance(g, DTensor) else g

@@ -92,9 +92,9 @@ class Runtime:
         for s, stage in self.stages.items():
             if not hasattr(stage.submod, "no_sync"):
                 continue
-            split = any(a.stage == s and a.kind == Kind.W for a in self.program)
-            kind = Kind.W if split else Kind.B
-            points[s] = max(i for i, a in enumerate(self.program) if a.stage == s and a.kind == kind)
+            # the last action that adds to the stage's weight gradients: a W, or a B (one that is not split
+            # into B and W may come after another microbatch's W)
+            points[s] = max(i for i, a in enumerate(self.program) if a.stage == s and a.kind in (Kind.B, Kind.W))
         return points
 
     def _sharded_last_backwards(self, cls: type) -> dict[int, int]:

@@ -42,14 +42,17 @@ def reference(num_stages: int, n_microbatches: int) -> tuple[list[list[torch.Ten
     return [[p.grad.clone() for p in piece.parameters()] for piece in pieces], losses
 
 
-def run_step(name: str, stages_per_rank: int, n_microbatches: int, group: Any = None) -> dict[str, Any]:
-    """One pipeline step of ``name``; this rank's stages' gradients and (last rank) the losses."""
+def run_step(name: str, stages_per_rank: int, n_microbatches: int, group: Any = None, input_args: bool = False) -> dict[str, Any]:
+    """One pipeline step of ``name``; this rank's stages' gradients and (last rank) the losses.
+
+    ``input_args``: every stage but the first is given an example microbatch input."""
     g = group if group is not None else spmd.new_group()
     world, rank = g.size, g.rank
     num_stages = world * stages_per_rank
     pieces = split_module(make_model(num_stages), num_stages=num_stages)
     mine = list(range(rank, num_stages, world))
-    stages = [PipelineStage(pieces[s], s, num_stages, "cpu", group=g) for s in mine]
+    example = torch.zeros(BATCH // n_microbatches, WIDTH)
+    stages = [PipelineStage(pieces[s], s, num_stages, "cpu", group=g, input_args=example if input_args and s else None) for s in mine]
     schedule = get_schedule(name)(stages if stages_per_rank > 1 else stages[0], n_microbatches, loss_fn=F.mse_loss)
     x, y = make_batch()
     losses: list[torch.Tensor] = []

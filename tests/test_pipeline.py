@@ -15,6 +15,7 @@ from spmd.pipeline import (
     schedule_names,
     simulate,
     validate,
+    with_communication,
 )
 
 BUILTIN = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
@@ -49,6 +50,11 @@ def test_every_builtin_schedule_matches_one_process(spmd_world, world):
             _check(w.run(h.run_step, name, v, m, timeout=300), world * v, m)
 
 
+def test_stages_built_with_input_args_run_and_match_one_process(spmd_world):
+    """The upstream stage sends shape metadata whatever the receiver was given: input_args only checks it."""
+    _check(spmd_world(2, "gloo").run(h.run_step, "1f1b", 1, 4, None, True, timeout=120), 2, 4)
+
+
 def test_p2p_ops_carry_the_pipeline_context(spmd_world):
     results = spmd_world(2, "gloo").run(h.run_step, "1f1b", 1, 4, timeout=120)
     assert any("RECV_B of stage 0, microbatch" in c for c in results[0]["contexts"]), results[0]["contexts"]
@@ -57,7 +63,7 @@ def test_p2p_ops_carry_the_pipeline_context(spmd_world):
 def test_timeout_names_rank_action_stage_microbatch_and_peer(spmd_world):
     results = spmd_world(2, "gloo").run(h.timeout_names_the_action, timeout=120)
     assert results[0] == "idle"
-    assert "rank 1 waits in RECV_F of stage 1, microbatch 0, from rank 0" in results[1], results[1]
+    assert "rank 1 waits in RECV_F of stage 1, microbatch 0 (shape metadata), from rank 0" in results[1], results[1]
     assert "timed out" in results[1]
 
 
@@ -125,6 +131,14 @@ def test_validator_rejects_a_swap_into_a_deadlock():
     with pytest.raises(ScheduleError, match="deadlock") as info:
         validate(programs)
     assert "rank 0, step" in str(info.value) and "RECV_B0.0" in str(info.value) and "rank 1" in str(info.value)
+
+
+def test_validator_rejects_receives_in_another_order_than_the_sends():
+    """Fine where messages match by tag; on a backend that matches them by order (NCCL), a silent microbatch swap."""
+    compute = {0: [Action(0, m, Kind.F) for m in range(2)] + [Action(0, m, Kind.B) for m in range(2)],
+               1: [Action(1, 1, Kind.F), Action(1, 0, Kind.F), Action(1, 1, Kind.B), Action(1, 0, Kind.B)]}
+    with pytest.raises(ScheduleError, match=r"rank 0 sends SEND_F0.0 to rank 1 where rank 1 receives the message of SEND_F0.1"):
+        validate(with_communication(compute, 2))
 
 
 def test_validator_rejects_a_duplicated_microbatch():

@@ -73,11 +73,9 @@ class Runtime:
         self.sync_at = {i: s for s, i in self.sync_points.items()}
         self.last_backward = self._sharded_last_backwards(cls)
         self.sent_meta: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
+        # learnt from the upstream stage's metadata message in the first step, always: that stage sends one
+        # per microbatch whatever this one knows (a stage's input_args only checks what arrives)
         self.recv_meta: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
-        for s in self.stages.values():
-            if s.input_meta is not None and s.stage_index > 0:
-                for mb in range(n_microbatches):
-                    self.recv_meta[(s.stage_index, mb)] = s.input_meta
 
     def _data_parallel_sync_points(self) -> dict[int, int]:
         """For each stage whose module is data parallel (has ``no_sync``), the program index after which to reduce.
@@ -171,7 +169,13 @@ class Runtime:
                 metas.append((a, buf, work))
         for a, buf, work in metas:
             work.wait()
-            self.recv_meta[(a.stage, a.microbatch)] = _decode(buf)
+            meta = self.recv_meta[(a.stage, a.microbatch)] = _decode(buf)
+            expected = self.stages[a.stage].input_meta
+            if expected is not None and (tuple(expected[0]), expected[1]) != (tuple(meta[0]), meta[1]):
+                raise ValueError(
+                    f"pipeline: stage {a.stage} was built with input_args of {tuple(expected[0])} {expected[1]}, but stage "
+                    f"{a.stage - 1} sends microbatch {a.microbatch} as {tuple(meta[0])} {meta[1]}; fix input_args or the batch"
+                )
         for a in batch:
             if a.kind in RECVS and (a.kind, a.stage, a.microbatch) not in self.pending:
                 self._post_recv(a)

@@ -18,9 +18,9 @@ class PipelineStage:
     a rank may hold several stages (interleaved schedules) by making several
     PipelineStage objects and passing the list to the schedule. The shapes
     of received activations are learnt by one metadata message per
-    microbatch in the first step (or given with ``input_args``, an example
-    microbatch input of this stage, to skip that exchange); later steps
-    must keep the batch shape.
+    microbatch in the first step (``input_args``, an example microbatch input
+    of this stage, is checked against them: a clear error instead of a
+    wrong-shaped stage); later steps must keep the batch shape.
     """
 
     def __init__(

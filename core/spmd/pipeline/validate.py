@@ -77,8 +77,9 @@ def validate(programs: Mapping[int, Sequence[Action]], *, n_microbatches: int | 
     is duplicated; F comes before B, B before W, each input was received or
     computed before it is used; every stage runs F and B for microbatches
     0..M-1; then simulates the send/receive matching of all ranks together
-    and names every rank that would wait forever (deadlock, missing send)
-    and every send nobody receives. Costs O(total actions).
+    and names every rank that would wait forever (deadlock, missing send),
+    every send nobody receives, and receives posted in another order than
+    their sends between a pair of ranks. Costs O(total actions).
 
     >>> validate(get_schedule("1f1b").programs(4, 1, 8))
     """
@@ -149,6 +150,38 @@ def _check_matching(programs: Mapping[int, Sequence[Action]], world: int) -> Non
             raise ScheduleError(
                 f"{_where(rank, step, send)} is never received: rank {stage_rank(recv.stage, world)} has no {recv}"
             )
+    _check_pair_order(programs, world)
+
+
+def _check_pair_order(programs: Mapping[int, Sequence[Action]], world: int) -> None:
+    """Between each pair of ranks the receives come in the order of the sends.
+
+    spmd's runtime tags every transfer, but a backend that matches
+    point-to-point messages by their order between two ranks, not by tag
+    (NCCL), would hand one microbatch's tensor to another's receive: of the
+    same shape, so nothing would fail and the loss would pair wrong inputs
+    with targets.
+    """
+    sends: dict[tuple[int, int], list[Action]] = {}
+    recvs: dict[tuple[int, int], list[Action]] = {}
+    for rank in range(world):
+        for a in programs[rank]:
+            peer = a.peer() if a.kind in SENDS or a.kind in RECVS else None
+            if peer is None:
+                continue
+            if a.kind in SENDS:
+                sends.setdefault((rank, stage_rank(peer.stage, world)), []).append(a)
+            else:
+                recvs.setdefault((stage_rank(peer.stage, world), rank), []).append(peer)
+    for (src, dst), order in sorted(sends.items()):
+        got = recvs.get((src, dst), [])
+        for sent_action, awaited in zip(order, got):
+            if sent_action != awaited:
+                raise ScheduleError(
+                    f"rank {src} sends {sent_action} to rank {dst} where rank {dst} receives the message of {awaited}: "
+                    "a backend that matches messages between two ranks by order, not tag (NCCL), would hand one "
+                    f"microbatch's tensor to another; make rank {dst} receive in the order rank {src} sends"
+                )
 
 
 __all__ = ["COMPUTE", "ScheduleError", "validate"]

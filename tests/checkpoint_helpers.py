@@ -311,6 +311,30 @@ def async_save_failure(path: str) -> str:
     return "no error"
 
 
+def a_rank_that_cannot_stage(path: str) -> str:
+    """async_save where rank 1's copy into its staging buffer fails: every rank's future raises naming rank 1."""
+    import importlib
+
+    module = importlib.import_module("spmd.checkpoint.async_save")  # (the package's async_save is the function)
+
+    class OutOfMemory(module.Stager):
+        def __call__(self, key: str, box: Any, local: torch.Tensor) -> torch.Tensor:
+            raise MemoryError("cannot allocate the staging buffer (simulated)")
+
+    original = module._stager
+    if spmd.get_rank() == 1:
+        module._stager = OutOfMemory()
+    try:
+        future = dcp.async_save({"x": torch.arange(4.0), "y": torch.ones(4)}, checkpoint_id=path)  # one writer each
+        try:
+            future.result(timeout=30)
+        except dcp.CheckpointError as error:
+            return str(error)
+        return "no error"
+    finally:
+        module._stager = original
+
+
 def unasked_async_failure(path: str, after: str) -> str:
     """An async save that fails while nobody asks its future: the next save raises its error."""
     use_test_storage()

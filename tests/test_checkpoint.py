@@ -220,6 +220,8 @@ def test_a_rank_that_cannot_save_fails_every_rank_and_async_failures_reach_the_f
     assert not os.path.exists(tmp_path / "r" / METADATA_FILE)
     for message in world.run(h.async_save_failure, str(tmp_path / "a"), timeout=60):
         assert "No space left on device (simulated)" in message
+    for message in world.run(h.a_rank_that_cannot_stage, str(tmp_path / "s"), timeout=60):
+        assert "rank 1 staging" in message and "MemoryError" in message, message
 
 
 def test_an_async_save_failure_nobody_asked_about_is_raised_by_the_next_save(spmd_world, tmp_path):

@@ -56,6 +56,9 @@ class SaveJob:
     plan: WritePlan
     tensors: list[tuple[str, Box, torch.Tensor]] = field(default_factory=list)
     values: dict[str, Any] = field(default_factory=dict)
+    #: Why this rank could not stage its data (out of memory copying to CPU...): its outcome in ``execute``,
+    #: so every rank fails the save at once instead of waiting for this one.
+    failed: str | None = None
 
 
 def _local_data(tensor: torch.Tensor) -> torch.Tensor:
@@ -113,8 +116,12 @@ def prepare(state_dict: Mapping[str, Any], checkpoint_id: str, ranks: Ranks, sta
         raise CheckpointError(f"save to {checkpoint_id!r} refused, nothing written: {'; '.join(refused)}") from local_error
     plan = plan_writes([d for _, d in gathered])
     job = SaveJob(str(checkpoint_id), gathered[0][0], plan, values=values)
-    for key, box in plan.chunks_of(ranks.rank):
-        job.tensors.append((key, box, stage(key, box, local[key])))
+    try:
+        for key, box in plan.chunks_of(ranks.rank):
+            job.tensors.append((key, box, stage(key, box, local[key])))
+    except Exception as error:  # noqa: BLE001 - reported to every rank by execute, then raised
+        job.tensors.clear()
+        job.failed = f"rank {ranks.rank} staging {key!r}: {type(error).__name__}: {error}"
     return job
 
 
@@ -126,20 +133,21 @@ def data_file(data_dir: str, rank: int) -> str:
 def execute(job: SaveJob, ranks: Ranks, storage: Storage | None = None) -> Metadata | None:
     """Write this rank's file, exchange outcomes, commit on rank 0; every rank raises if any rank failed."""
     path = data_file(job.data_dir, ranks.rank)
-    outcome: Any
-    try:
-        storage = storage if storage is not None else open_storage(job.checkpoint_id)
-        named = [(chunk_name(key, box, job.plan.tensors[key].shape), data) for key, box, data in job.tensors]
-        outcome = write_file(storage, path, named) if named else {}
-    except Exception as error:  # noqa: BLE001 - reported to every rank, then raised
-        outcome = f"rank {ranks.rank} writing {path}: {type(error).__name__}: {error}"
+    outcome: Any = job.failed
+    if outcome is None:
+        try:
+            storage = storage if storage is not None else open_storage(job.checkpoint_id)
+            named = [(chunk_name(key, box, job.plan.tensors[key].shape), data) for key, box, data in job.tensors]
+            outcome = write_file(storage, path, named) if named else {}
+        except Exception as error:  # noqa: BLE001 - reported to every rank, then raised
+            outcome = f"rank {ranks.rank} writing {path}: {type(error).__name__}: {error}"
     outcomes = ranks.gather(outcome)
     failures = [o for o in outcomes if isinstance(o, str)]
     metadata = None
     commit_error = None
     if failures:
-        if ranks.rank == 0 and storage is not None:
-            _discard(storage, job.data_dir)
+        if ranks.rank == 0:
+            _discard(storage, job)
     elif ranks.rank == 0:
         assert storage is not None
         try:
@@ -147,7 +155,7 @@ def execute(job: SaveJob, ranks: Ranks, storage: Storage | None = None) -> Metad
             storage.write_atomic(METADATA_FILE, metadata.to_json())
         except Exception as error:  # noqa: BLE001 - reported to every rank, then raised
             commit_error = f"rank 0 committing {METADATA_FILE}: {type(error).__name__}: {error}"
-            _discard(storage, job.data_dir)
+            _discard(storage, job)
         else:  # committed: the new metadata names job.data_dir, so nothing after this may remove it
             _remove_superseded(storage, job.data_dir)
     committed = ranks.gather(commit_error)
@@ -168,9 +176,10 @@ def _remove_superseded(storage: Storage, data_dir: str) -> None:
         pass
 
 
-def _discard(storage: Storage, data_dir: str) -> None:
+def _discard(storage: Storage | None, job: SaveJob) -> None:
+    """Remove a failed save's data directory (what other ranks wrote into it too)."""
     try:
-        storage.remove(data_dir)
+        (storage if storage is not None else open_storage(job.checkpoint_id)).remove(job.data_dir)
     except Exception:  # noqa: BLE001 - the save's own error is the one to report; leftovers go at the next save
         pass
 

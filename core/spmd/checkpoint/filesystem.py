@@ -11,6 +11,20 @@ from spmd.checkpoint.storage import Buffer, Storage, StorageSpec
 from spmd.markers import hookimpl
 
 
+def _fsync_directory(path: str) -> None:
+    """Flush a directory's entries (new names, renames) to disk; a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
 class FileStorage(Storage):
     """A checkpoint in a local (or mounted) directory; writes go through ``os.write`` and ``fsync``, reads through ``os.preadv``."""
 
@@ -33,6 +47,7 @@ class FileStorage(Storage):
                     total += n
                     view = view[n:]
             os.fsync(f.fileno())  # on disk before metadata.json commits it (torch's DCP syncs too)
+        _fsync_directory(os.path.dirname(target))  # and its name in the directory, or a power loss may drop it
         return total
 
     def write_atomic(self, path: str, data: bytes) -> None:
@@ -45,6 +60,7 @@ class FileStorage(Storage):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temporary, target)
+            _fsync_directory(os.path.dirname(target))  # the commit itself survives a power loss
         finally:
             if os.path.exists(temporary):
                 os.unlink(temporary)

@@ -44,6 +44,12 @@ class SaveFuture:
         """Whether the save has finished, committed or failed."""
         return self._future.done()
 
+    def unasked_error(self) -> BaseException | None:
+        """The error of a finished save whose caller never asked for its outcome (result/exception), else None."""
+        if self.observed or not self._future.done():
+            return None
+        return self._future.exception()
+
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error the save raised, or None."""
         self.observed = True
@@ -88,8 +94,9 @@ def wait_pending() -> None:
     pending = _pending
     if pending is None:
         return
-    error = pending._future.exception()
-    if error is not None and not pending.observed:
+    pending._future.exception()  # wait for it, without counting as asked
+    error = pending.unasked_error()
+    if error is not None:
         pending.observed = True
         raise CheckpointError(f"the previous async_save to {pending.checkpoint_id!r} failed (its future was never "
                               f"asked): {error}") from error
@@ -99,9 +106,10 @@ def wait_pending() -> None:
 def _report_unobserved_failure() -> None:
     """At exit (the save thread has been joined by then), print a failed async save nobody asked about."""
     pending = _pending
-    if pending is not None and pending.done() and not pending.observed and pending._future.exception() is not None:
+    error = pending.unasked_error() if pending is not None else None
+    if pending is not None and error is not None:
         print(f"spmd.checkpoint: the last async_save to {pending.checkpoint_id!r} failed and its future was never "
-              f"asked: {pending._future.exception()}", file=sys.stderr)
+              f"asked: {error}", file=sys.stderr)
 
 
 def async_save(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_group: Any = None) -> SaveFuture:

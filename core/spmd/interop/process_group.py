@@ -155,7 +155,20 @@ class SpmdProcessGroup(tdist.ProcessGroup):
         works = [coll.all_gather(list(o), i, group=g, async_op=True) for o, i in zip(output_lists, inputs)]
         return TorchWork(_gather(works), [t for o in output_lists for t in o])
 
-    allgather_coalesced = allgather
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> TorchWork:
+        """``all_gather_coalesced``: ``output_lists[r][i]`` receives rank r's ``inputs[i]``.
+
+        The transpose of ``allgather``'s layout (there the outer list is the
+        input's index): one all_gather per input, into column i of the lists.
+        """
+        g = self.spmd_group
+        if len(output_lists) != g.size or any(len(row) != len(inputs) for row in output_lists):
+            raise ValueError(
+                f"all_gather_coalesced: output_tensor_lists must hold one list per rank ({g.size}), each with one "
+                f"tensor per input ({len(inputs)}); got {[len(row) for row in output_lists]}"
+            )
+        works = [coll.all_gather([row[i] for row in output_lists], t, group=g, async_op=True) for i, t in enumerate(inputs)]
+        return TorchWork(_gather(works), [t for row in output_lists for t in row])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TorchWork:
         """Tensor form (``all_gather_into_tensor``)."""

@@ -65,6 +65,11 @@ def _ops(rank: int, world: int) -> dict[str, Any]:
         parts = [torch.empty(6) for _ in range(world)]
         tdist.all_gather(parts, base, group=group)
         out["all_gather"] = torch.stack(parts)
+        shapes = [(2,), (3, 2)] + [(1,)] * world  # more tensors than ranks, of several shapes
+        ins = [torch.full(shape, float(10 * rank + i)) for i, shape in enumerate(shapes)]
+        rows = [[torch.empty(shape) for shape in shapes] for _ in range(world)]
+        tdist.all_gather_coalesced(rows, ins, group=group)  # rows[r][i] = rank r's ins[i]
+        out["all_gather_coalesced"] = torch.cat([t.flatten() for row in rows for t in row])
         shard = torch.empty(3)
         tdist.reduce_scatter_single(shard, torch.randn(3 * world, generator=g), group=group)
         out["reduce_scatter_single"] = shard

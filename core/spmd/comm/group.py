@@ -73,6 +73,7 @@ class ProcessGroup:
         self._lock = threading.Lock()
         self._global_to_group = {g: i for i, g in enumerate(self.ranks)}
         self.seq = 0  # collectives issued on this group, in program order
+        self.monitored_barriers = 0  # monitored_barrier calls on this group (each meets under its own store keys)
         #: Call shapes every rank agreed on (checked once each where a backend aborts on mismatches).
         self.agreed_calls: set[tuple] = set()
         #: Why no op may run on this group any more (a failed or timed-out op, or destroy), else None.

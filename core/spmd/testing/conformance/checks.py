@@ -367,6 +367,19 @@ def check_p2p(g: ProcessGroup, rec: Recorder) -> None:
 
     rec.case("p2p/order", ordered)
 
+    def beside_monitored_barrier(async_op: bool) -> None:
+        # A receive posted before a monitored_barrier gets the message sent after it (the barrier's own
+        # traffic must not reach, or take, the program's messages: it once shared tag 0 with them).
+        got = torch.zeros(4, device=rec.device)
+        recv = spmd.irecv(got, group=g, group_src=left, tag=0)
+        spmd.monitored_barrier(group=g)
+        spmd.isend(torch.full((4,), 42.0 + r, device=rec.device), group=g, group_dst=right, tag=0).wait()
+        recv.wait()
+        if got.tolist() != [42.0 + left] * 4:
+            raise AssertionError(f"a receive posted before monitored_barrier got {got.tolist()}, not rank {left}'s message {42.0 + left}")
+
+    rec.case("p2p/monitored_barrier", beside_monitored_barrier)
+
 
 def check_objects(g: ProcessGroup, rec: Recorder) -> None:
     n, r = g.size, g.rank

@@ -381,7 +381,9 @@ def silently_mismatched(kind: str, limit: float = 12.0) -> dict[str, object]:
         t, op = torch.ones(4, dtype=(torch.float32, torch.float64)[rank]), spmd.ReduceOp.SUM
     start = time.monotonic()
     try:
-        if kind == "splits":  # rank 0 sends rank 1 one row, rank 1 expects two: nothing overflows
+        if kind in ("gather", "rows"):
+            first = f"value {_mismatched_shapes(kind, rank, group)}"
+        elif kind == "splits":  # rank 0 sends rank 1 one row, rank 1 expects two: nothing overflows
             sends = ([2, 1], [2, 2])[rank]
             out = torch.zeros(4)
             spmd.all_to_all_single(out, torch.ones(sum(sends)), [2, 2], sends, group=group)
@@ -427,6 +429,20 @@ def stale_and_fresh_announcements() -> dict[str, object]:
 
 
 
+def _mismatched_shapes(kind: str, rank: int, group: spmd.ProcessGroup) -> list[float]:
+    """A gather whose ranks send 4 and 6 elements, or (``rows``) an all_to_all_single of even splits
+    whose rows are 2 wide on rank 0 and 4 wide on rank 1: both once gave wrong data with no error."""
+    if kind == "gather":
+        n = (4, 6)[rank]
+        got = [torch.zeros(n) for _ in range(2)] if rank == 0 else None
+        spmd.gather(torch.full((n,), float(rank + 1)), got, dst=0, group=group)
+        return torch.cat(got).tolist() if got is not None else []
+    width = (2, 4)[rank]
+    out = torch.zeros(2, width)
+    spmd.all_to_all_single(out, torch.full((2, width), float(rank + 1)), group=group)
+    return out.flatten().tolist()
+
+
 def size_mismatch_on_gloo(kind: str, timeout: float) -> dict[str, object]:
     """Calls whose buffers differ in size across the ranks, on Gloo (which aborts the process if it ever
     pairs them). ``kind``: count (4 against 1000 elements), dtype (float32 against float64), splits
@@ -454,6 +470,8 @@ def size_mismatch_on_gloo(kind: str, timeout: float) -> dict[str, object]:
     elif kind == "splits":
         sends = ([2, 1], [2, 3])[rank]  # rank 0 sends rank 1 one row, rank 1 expects two
         first = outcome(lambda: spmd.all_to_all_single(torch.zeros(5), torch.ones(sum(sends)), [2, 3], sends, group=group))
+    elif kind in ("gather", "rows"):
+        first = outcome(lambda: _mismatched_shapes(kind, rank, group))
     else:
         first = outcome(lambda: spmd.all_reduce(torch.ones((4, 1000)[rank]), group=group))
     took = time.monotonic() - start

@@ -223,8 +223,15 @@ def test_mismatched_element_counts_are_named_and_break_the_group_everywhere(spmd
         assert outcomes[-1].startswith("CollectiveError") and "cannot be used" in outcomes[-1], ranks
 
 
+#: The calls a mismatch error must name, for gather sizes and all_to_all_single row widths that differ.
+SHAPE_SIGNATURES = {
+    "gather": ("gather(float32; 4) root=0", "gather(float32; 6) root=0"),
+    "rows": ("all_to_all_single(float32,float32; rows 2)", "all_to_all_single(float32,float32; rows 4)"),
+}
+
+
 @pytest.mark.parametrize("backend", ["gloo", "p2p"])
-@pytest.mark.parametrize("kind", ["count", "dtype", "splits", "known"])
+@pytest.mark.parametrize("kind", ["count", "dtype", "splits", "known", "gather", "rows"])
 def test_gloo_buffers_of_different_sizes_are_named_not_a_signal(spmd_world, backend, kind):
     """Gloo aborts the process (SIGABRT in its C++ loop thread) if it pairs buffers of different byte
     sizes. The kernel compares each call shape new to a group across its ranks before Gloo sees it:
@@ -247,6 +254,7 @@ def test_gloo_buffers_of_different_sizes_are_named_not_a_signal(spmd_world, back
             "count": ("all_reduce(float32; 4) SUM", "all_reduce(float32; 1000) SUM"),
             "dtype": ("all_reduce(float32; 4) SUM", "all_reduce(float64; 4) SUM"),
             "splits": ("splits 2,1/2,3", "splits 2,3/2,3", "rank 0 sends 1 rows to rank 1, which expects 2 from it"),
+            **SHAPE_SIGNATURES,
         }[kind]
         assert all(call in r["first"] for call in expected), r
         assert r["after"].startswith("CollectiveError") and "cannot be used" in r["after"], r  # as after any mismatch
@@ -271,7 +279,9 @@ def test_gloo_compares_an_all_to_all_shape_once_unless_splits_are_given(spmd_wor
 SILENT = [(b, k) for b in ("gloo", "mpi", "ucc", "p2p") for k in ("reduce_op", "dtype")] + [("ucc", "count")]
 SILENT += [(b, "width") for b in ("mpi", "ucc")]  # float32 against float64 (Gloo and p2p: refused before the op)
 SILENT += [(b, "splits") for b in ("mpi", "ucc")]  # (Gloo and p2p: refused before the op, as above)
+SILENT += [(b, k) for b in ("mpi", "ucc") for k in ("gather", "rows")]  # (Gloo and p2p: as above)
 SIGNATURES = {
+    **SHAPE_SIGNATURES,
     "splits": ("all_to_all_single(float32,float32) splits 2,1/2,2", "all_to_all_single(float32,float32) splits 2,2/2,2",
                "all_to_all_single splits disagree: rank 0 sends 1 rows to rank 1, which expects 2 from it"),
     "reduce_op": ("all_reduce(float32; 4) SUM", "all_reduce(float32; 4) MAX"),
@@ -292,7 +302,7 @@ def test_a_mismatch_the_backend_completes_is_named_on_every_rank(spmd_world, bac
         error = r["later"][-1] if r["later"] else r["first"]
         assert error.startswith(("CollectiveError", "CollectiveTimeoutError")), r
         assert r["first"].startswith("CollectiveError") or r["error_after"] is not None and r["error_after"] < 5.0 + 3.0, r
-        if kind not in ("count", "width"):  # (UCX fails one rank on buffers of different sizes: that error reaches the other)
+        if kind not in ("count", "width", "gather", "rows"):  # (UCX and MPI may fail one rank on buffers of different sizes: that error reaches the other)
             assert "ranks disagree on collective #1 of group" in error, r
             for call in SIGNATURES[kind]:
                 assert call in error, r

@@ -360,7 +360,9 @@ def gather(
         is_root = g.rank == root
         check_root_list(g, root, gather_list, tensor, "gather_list", "gather", "destination")
         backend = g.backend_for(tensor, "gather", timeout)
-        call = begin(g, "gather", (tensor,), None, root)
+        call = begin_sized(g, "gather", (tensor,), None, root, None, backend, timeout, async_op)
+        if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
+            return call
         staged = Contiguous(tensor)
         flat = pool.acquire(tensor.numel() * g.size, tensor.dtype, tensor.device) if is_root else None
         packed = flat[: tensor.numel() * g.size] if flat is not None else None
@@ -398,7 +400,9 @@ def scatter(
         check_root_list(g, root, scatter_list, tensor, "scatter_list", "scatter", "source")
         packed = torch.cat([t.reshape(-1) for t in scatter_list]) if is_root and scatter_list is not None else None
         backend = g.backend_for(tensor, "scatter", timeout)
-        call = begin(g, "scatter", (tensor,), None, root)
+        call = begin_sized(g, "scatter", (tensor,), None, root, None, backend, timeout, async_op)
+        if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
+            return call
         staged = Contiguous(tensor, copy_in=False)
         work = backend.scatter(staged.tensor, packed, root)
         return complete(work, g, "scatter", call, async_op, sequence(*staging_steps(staged, write_back=(staged,))), timeout=timeout)

@@ -18,8 +18,9 @@ from typing import Any
 from spmd.debug.recorder import Entry
 from spmd.errors import CollectiveDesyncError, CollectiveTimeoutError
 
-#: Ops whose ranks may legitimately pass different shapes: only op and dtype must agree.
-_SHAPES_MAY_DIFFER = {"all_to_all_single", "gather", "scatter", "barrier"}
+#: Ops whose ranks may legitimately pass different shapes: only op and dtype must agree (and for
+#: all_to_all_single the shape of a row: its rows travel between ranks, their number may differ).
+_SHAPES_MAY_DIFFER = {"all_to_all_single", "barrier"}
 
 
 def _read_switch() -> bool:
@@ -42,7 +43,8 @@ def call_signature(entry: Entry, root: int | None = None) -> str:
     all_to_all_single's splits follow as `` splits 1,2/3,4``, to be matched across ranks by ``pair_split_mismatch``)."""
     if entry.op in _SHAPES_MAY_DIFFER:
         dtypes = ",".join(str(d).removeprefix("torch.") for d in entry.dtypes)
-        text = f"{entry.op}({dtypes})"
+        row = entry.shapes[0][1:] if entry.op == "all_to_all_single" else ()
+        text = f"{entry.op}({dtypes}; rows {'x'.join(map(str, row))})" if row else f"{entry.op}({dtypes})"
     else:
         text = entry.signature()
     text += f" root={root}" if root is not None else ""

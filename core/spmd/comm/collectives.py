@@ -25,14 +25,16 @@ from spmd.comm.checks import (
 )
 from spmd.comm.group import ProcessGroup
 from spmd.comm.lifecycle import begin, begin_sized, complete
-from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.reduce_op import ReduceOp, divide
 from spmd.comm.staging import (
     AVG,
+    PREDIVIDED,
     Contiguous,
     average,
     native_op,
     overlaps,
     pool,
+    predivided,
     sequence,
     staging_steps,
     unpack_blocks,
@@ -49,12 +51,15 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Process
         call = begin_sized(g, "all_reduce", (tensor,), op, None, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
-        if tensor.is_contiguous() and (op is not AVG or backend.supports_avg):
+        if tensor.is_contiguous() and (op is not AVG or backend.supports_avg and tensor.dtype not in PREDIVIDED):
             return complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op, timeout=timeout)  # nothing to stage
-        native = native_op(backend, op)
+        native = native_op(backend, op, tensor.dtype)
+        before = predivided(op, native, tensor.dtype)
         staged = Contiguous(tensor)
+        if before:
+            divide(staged.tensor, g.size)  # (the tensor is overwritten with the result anyway)
         work = backend.all_reduce(staged.tensor, native)
-        steps = [average(staged.tensor, g.size)] if native is not op else []
+        steps = [average(staged.tensor, g.size)] if native is not op and not before else []
         steps += staging_steps(staged, write_back=(staged,))
         return complete(work, g, "all_reduce", call, async_op, sequence(*steps), timeout=timeout)
     except Exception as error:
@@ -79,10 +84,13 @@ def reduce(
         call = begin_sized(g, "reduce", (tensor,), op, root, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
-        staged = Contiguous(tensor)
-        native = native_op(backend, op)
+        native = native_op(backend, op, tensor.dtype)
+        before = predivided(op, native, tensor.dtype)
+        staged = Contiguous(tensor, force=before and g.rank != root)  # (only the root's tensor is overwritten)
+        if before:
+            divide(staged.tensor, g.size)
         work = backend.reduce(staged.tensor, root, native)
-        steps = [average(staged.tensor, g.size)] if native is not op and g.rank == root else []
+        steps = [average(staged.tensor, g.size)] if native is not op and not before and g.rank == root else []
         steps += staging_steps(staged, write_back=(staged,) if g.rank == root else ())
         return complete(work, g, "reduce", call, async_op, sequence(*steps), timeout=timeout)
     except Exception as error:
@@ -109,14 +117,17 @@ def reduce_scatter_tensor(
         call = begin_sized(g, "reduce_scatter_tensor", (input, output), op, None, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
-        native = native_op(backend, op)
+        native = native_op(backend, op, input.dtype)
         aliased = overlaps(input, output)
         if native is op and input.is_contiguous() and output.is_contiguous() and not aliased:
             return complete(backend.reduce_scatter_tensor(output, input, op), g, "reduce_scatter_tensor", call, async_op, timeout=timeout)
-        staged_in = Contiguous(input, force=aliased)
+        before = predivided(op, native, input.dtype)
+        staged_in = Contiguous(input, force=aliased or before)  # (the input stays as the caller gave it)
+        if before:
+            divide(staged_in.tensor, g.size)
         staged_out = Contiguous(output, copy_in=False)
         work = backend.reduce_scatter_tensor(staged_out.tensor, staged_in.tensor, native)
-        steps = [average(staged_out.tensor, g.size)] if native is not op else []
+        steps = [average(staged_out.tensor, g.size)] if native is not op and not before else []
         steps += staging_steps(staged_out, staged_in, write_back=(staged_out,))
         return complete(work, g, "reduce_scatter_tensor", call, async_op, sequence(*steps), timeout=timeout)
     except Exception as error:

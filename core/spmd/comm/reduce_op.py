@@ -101,15 +101,55 @@ _KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = {
 }
 
 
+#: dtypes torch has no CPU arithmetic for (add, min, max...), reduced in a wider dtype and cast back.
+#: Exact: the wide result of two values cast back is what the narrow kernel would give (unsigned
+#: integers wrap alike; a float32 sum of two float8 values is exact, so it is rounded once).
+_WIDENED: dict[torch.dtype, torch.dtype] = {
+    torch.uint16: torch.int64,
+    torch.uint32: torch.int64,
+    **{getattr(torch, name): torch.float32 for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+       if hasattr(torch, name)},
+}
+_INT64_SIGN = torch.iinfo(torch.int64).min
+
+
 def reduce_into(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
-    """``acc = op(acc, other)`` in place, with no allocation (AVG accumulates a sum)."""
-    if acc.dtype == torch.bool:
+    """``acc = op(acc, other)`` in place (AVG accumulates a sum); no allocation but for the dtypes
+    torch cannot compute on directly (``_WIDENED``, uint64)."""
+    dtype = acc.dtype
+    if dtype == torch.bool:
         _BOOL_KERNELS[op](acc, other)
+    elif dtype in _WIDENED:
+        wide = acc.to(_WIDENED[dtype])
+        _KERNELS[op](wide, other.to(wide.dtype))
+        acc.copy_(wide)
+    elif dtype == torch.uint64:
+        _reduce_uint64(acc, other, op)
     else:
         _KERNELS[op](acc, other)
+
+
+def _reduce_uint64(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
+    """uint64 as int64 bits: sums, products and bitwise ops are the same bits in two's complement;
+    MIN and MAX compare with the sign bit flipped (unsigned order)."""
+    a, b = acc.view(torch.int64), other.view(torch.int64)
+    if op in (ReduceOp.MIN, ReduceOp.MAX):
+        flipped = a ^ _INT64_SIGN
+        _KERNELS[op](flipped, b ^ _INT64_SIGN)
+        torch.bitwise_xor(flipped, _INT64_SIGN, out=a)
+    else:
+        _KERNELS[op](a, b)
+
+
+def divide(tensor: torch.Tensor, count: int) -> None:
+    """``tensor /= count`` in place, for every floating dtype (float8 through float32)."""
+    if tensor.dtype in _WIDENED:
+        tensor.copy_(tensor.to(_WIDENED[tensor.dtype]).div_(count))
+    else:
+        tensor.div_(count)
 
 
 def finish_avg(tensor: torch.Tensor, op: ReduceOp, count: int) -> None:
     """Turn the sum that AVG accumulated into the mean over ``count`` ranks."""
     if op is ReduceOp.AVG and count > 1:
-        tensor.div_(count)
+        divide(tensor, count)

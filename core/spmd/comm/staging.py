@@ -12,10 +12,14 @@ import torch
 
 from spmd.comm.backend import Backend
 from spmd.comm.buffers import BufferPool
-from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.reduce_op import ReduceOp, divide
 
 pool = BufferPool()
 AVG = ReduceOp.AVG  # a module constant: reading an Enum member off its class costs ~100 ns
+#: dtypes whose AVG the kernel divides before the sum, on every backend (as NCCL's ncclAvg does):
+#: a float16 sum of n ranks' values overflows to inf where their mean fits.
+PREDIVIDED = frozenset({torch.float16, *(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+                                         if hasattr(torch, name))})
 
 
 class Contiguous:
@@ -77,17 +81,21 @@ def staging_steps(*staged: Contiguous, write_back: tuple[Contiguous, ...] = ()) 
 
 
 def average(tensor: torch.Tensor, size: int) -> Callable[[], None]:
-    def divide() -> None:
-        tensor.div_(size)
-
-    return divide
+    """The step that turns a SUM the backend made of an AVG into the mean."""
+    return lambda: divide(tensor, size)
 
 
-def native_op(backend: Backend, op: ReduceOp) -> ReduceOp:
-    """AVG becomes SUM for backends that cannot average (the kernel divides afterwards)."""
-    if op is AVG and not backend.supports_avg:
+def native_op(backend: Backend, op: ReduceOp, dtype: torch.dtype) -> ReduceOp:
+    """The op the backend gets: AVG becomes SUM where the kernel divides, before the transfer for
+    ``PREDIVIDED`` dtypes (see ``predivided``), after it for backends that cannot average."""
+    if op is AVG and (dtype in PREDIVIDED or not backend.supports_avg):
         return ReduceOp.SUM
     return op
+
+
+def predivided(op: ReduceOp, native: ReduceOp, dtype: torch.dtype) -> bool:
+    """Whether the kernel divides this AVG's inputs by the group size before the SUM (not the result after)."""
+    return native is not op and dtype in PREDIVIDED
 
 
 def unpack_blocks(items: Sequence[torch.Tensor], packed: torch.Tensor, blocks: int) -> None:

@@ -112,6 +112,59 @@ def check_all_reduce(g: ProcessGroup, rec: Recorder) -> None:
             check_reduced(t, expected_reduce(inputs, op), key)
 
         rec.case(key, body)
+    _check_storage_dtype_reductions(g, rec)
+    _check_avg_that_would_overflow(g, rec)
+
+
+#: dtypes torch stores but has no CPU arithmetic for (the kernels reduce them in a wider dtype), with the
+#: ops checked on each (float8: small sums, exact in every float8 format).
+STORAGE_REDUCTIONS = (
+    *((d, (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR))
+      for d in (torch.uint16, torch.uint32, torch.uint64)),
+    *((d, (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX)) for d in (torch.float8_e4m3fn, torch.float8_e5m2)),
+)
+
+
+def _check_storage_dtype_reductions(g: ProcessGroup, rec: Recorder) -> None:
+    """all_reduce on uint16/32/64 and float8: the right value on every rank (these once failed on the
+    rank that reduced, while the others reported success or waited)."""
+    for dtype, ops in STORAGE_REDUCTIONS:
+        for op in (op for op in ops if rec.reduces(dtype, op)):
+            key = f"all_reduce/{dtype}/{op.name}/storage"
+            if dtype.is_floating_point:  # 0 or 1 each: every sum and mean below is exact in float8
+                inputs = [make_input(i, key, (7,), torch.bool).to(dtype) for i in range(g.size)]
+            else:
+                inputs = [make_input(i, key, (7,), dtype, op) for i in range(g.size)]
+
+            def body(async_op: bool, inputs: list[torch.Tensor] = inputs, op: ReduceOp = op, key: str = key) -> None:
+                t = rec.put(inputs[g.rank])
+                _done(spmd.all_reduce(t, op, group=g, async_op=async_op))
+                _expect_bytes(t, expected_reduce(inputs, op), key)
+
+            rec.case(key, body)
+
+
+def _check_avg_that_would_overflow(g: ProcessGroup, rec: Recorder) -> None:
+    """float16 AVG of 60000 on every rank: the sum overflows float16, the mean does not (all_reduce,
+    reduce, reduce_scatter_tensor give 60000, as NCCL's ncclAvg; summing first gave inf)."""
+    if not rec.reduces(torch.float16, ReduceOp.AVG):
+        return
+    big = torch.full((6,), 60000.0, dtype=torch.float16)
+    avg = ReduceOp.AVG
+
+    def body(async_op: bool) -> None:
+        t = rec.put(big)
+        _done(spmd.all_reduce(t, avg, group=g, async_op=async_op))
+        _expect_bytes(t, big, "all_reduce AVG of 60000 in float16")
+        kept = rec.put(big)  # the root's gets the mean; every other rank's stays as it was
+        _done(spmd.reduce(kept, op=avg, group_dst=0, group=g, async_op=async_op))
+        _expect_bytes(kept, big, "reduce AVG of 60000 in float16")
+        source, out = rec.put(big[:1].repeat(g.size * 2)), rec.zeros(2, torch.float16)
+        _done(spmd.reduce_scatter_tensor(out, source, avg, group=g, async_op=async_op))
+        _expect_bytes(out, big[:2], "reduce_scatter_tensor AVG of 60000 in float16")
+        _expect_bytes(source, big[:1].repeat(g.size * 2), "reduce_scatter_tensor's input after AVG")
+
+    rec.case("all_reduce/float16/AVG/overflowing_sum", body)
 
 
 def check_reduce(g: ProcessGroup, rec: Recorder) -> None:

@@ -62,6 +62,24 @@ def test_get_future_and_callbacks_fire_once_done():
     assert fut.wait() == 5 and seen == [5]
 
 
+def test_a_callback_that_raises_does_not_stop_the_others_or_the_completing_thread(caplog):
+    work = spmd.Work()
+    ran: list[str] = []
+
+    def bad(_: spmd.Work) -> None:
+        raise RuntimeError("a bug in a user's callback")
+
+    work.add_done_callback(bad)
+    future = work.get_future()
+    work.add_done_callback(lambda w: ran.append("second"))
+    finisher = threading.Thread(target=work._finish, args=(5, None))  # as a backend's progress thread does
+    finisher.start()
+    finisher.join(5)
+    assert not finisher.is_alive() and ran == ["second"]
+    assert future.wait() == 5
+    assert "a bug in a user's callback" in caplog.text
+
+
 def test_then_runs_after_once_on_success_and_not_on_failure():
     ok: concurrent.futures.Future = concurrent.futures.Future()
     ran: list[str] = []

@@ -23,6 +23,7 @@ an op timeout longer than the group's is then cut short by the backend.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,6 +34,8 @@ import torch
 from spmd.errors import CollectiveError, CollectiveTimeoutError
 
 Timeout = float | timedelta | None
+
+_log = logging.getLogger("spmd")
 
 #: Guards every Work's completion against concurrent callback registration (held for nanoseconds).
 _STATE_LOCK = threading.Lock()
@@ -182,7 +185,11 @@ class Work:
             event.set()
         if callbacks is not None:
             for callback in callbacks:
-                callback(self)
+                try:
+                    callback(self)
+                except Exception:  # noqa: BLE001 - runs on the backend's thread: one bad callback must not
+                    # kill it (and every later completion with it) nor keep the others from running
+                    _log.exception("spmd: a done-callback of %r raised; the Work's other callbacks still run", self)
 
     def _expire(self, error: BaseException) -> None:
         """The kernel's deadline passed with this Work still running: fail it with ``error`` explained.

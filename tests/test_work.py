@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import threading
+import time
 
 import pytest
 import torch
@@ -78,6 +79,18 @@ def test_a_callback_that_raises_does_not_stop_the_others_or_the_completing_threa
     assert not finisher.is_alive() and ran == ["second"]
     assert future.wait() == 5
     assert "a bug in a user's callback" in caplog.text
+
+
+def test_a_work_list_waits_no_longer_than_its_parts_deadlines():
+    parts = [spmd.Work(), spmd.Work()]  # never finish
+    parts[0].default_timeout, parts[1].default_timeout = 0.2, 0.4
+    for part in parts:
+        part.description = "all_reduce on group 'g'"
+    batch = spmd.comm.work.WorkList(parts)
+    start = time.monotonic()
+    with pytest.raises(spmd.CollectiveTimeoutError, match="all_reduce on group 'g'"):
+        batch.wait()
+    assert 0.3 < time.monotonic() - start < 5
 
 
 def test_then_runs_after_once_on_success_and_not_on_failure():

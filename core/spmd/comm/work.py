@@ -446,6 +446,12 @@ class WorkList(Work):
     def __init__(self, works: list[Work], value: Any = None) -> None:
         super().__init__()
         self._works = works
+        # Waited on without a timeout, it waits as long as its slowest part's deadline (each part's is
+        # attached by the kernel), so it never waits forever either.
+        limits = [w.default_timeout for w in works if w.default_timeout is not None]
+        if limits:
+            self.default_timeout = max(limits)
+        self._describe = lambda: "; ".join(w.description for w in works[:3]) + (f" and {len(works) - 3} more" if len(works) > 3 else "")
         self._final_value = value
         self._remaining = len(works)
         self._count_lock = threading.Lock()

@@ -64,3 +64,22 @@ def test_rank_and_world_size_read_the_master_from_the_environment():
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1] for o in outs]
     assert all("SUM 2.0" in o[0] for o in outs)
+
+
+def test_torch_destroy_ends_a_world_torch_started_so_the_next_init_is_new():
+    """init_process_group("spmd"), destroy_process_group(), init_process_group("spmd") again with another store and
+    timeout: the second world is a new one (it silently kept the first's store, timeout and ranks)."""
+    code = (
+        "from datetime import timedelta; import torch, torch.distributed as tdist, spmd; from spmd.comm import state\n"
+        "tdist.init_process_group('spmd', store=tdist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=100))\n"
+        "first = state.get_state().world\n"
+        "tdist.destroy_process_group()\n"
+        "assert not spmd.is_initialized()\n"
+        "tdist.init_process_group('spmd', store=tdist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=7))\n"
+        "second = state.get_state().world\n"
+        "assert second is not first and second.timeout_s == 7.0, (first, second, second.timeout_s)\n"
+        "t = torch.ones(2); tdist.all_reduce(t); assert t.tolist() == [1.0, 1.0]\n"
+        "tdist.destroy_process_group(); print('OK')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPMD_WATCHDOG": "0"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr

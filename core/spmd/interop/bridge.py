@@ -98,6 +98,11 @@ def _create(options: Any, pg_options: Any) -> SpmdProcessGroup:
     current = state.get_state()
     world = current.world
     if not tdist.is_initialized() and (not ranks or ranks == list(world.ranks)):
+        if (rank, size) != (world.rank, world.size):
+            raise ValueError(
+                f"torch.distributed.init_process_group('spmd', rank={rank}, world_size={size}): spmd's world is already "
+                f"running as rank {world.rank} of {world.size}; call spmd.destroy_process_group() first to start another"
+            )
         return SpmdProcessGroup(world)  # torch's default group is spmd's world
     members = ranks or list(range(size))
     name = f"torch/{options.group_id}"

@@ -72,6 +72,20 @@ class SpmdProcessGroup(tdist.ProcessGroup):
     def __repr__(self) -> str:
         return f"SpmdProcessGroup({self.spmd_group!r})"
 
+    def shutdown(self) -> None:
+        """``torch.distributed.destroy_process_group``: a spmd world that torch started goes with it.
+
+        The next ``init_process_group("spmd")`` then starts a new world with
+        what it is given (it silently reused the old one: its ranks, store and
+        timeout). A world ``spmd.init`` started stays until ``spmd.destroy_process_group``.
+        """
+        from spmd.comm import state
+        from spmd.comm.init import destroy_process_group
+        from spmd.interop import bridge
+
+        if bridge.started_by_torch() and self.spmd_group is state.get_state().world:
+            destroy_process_group()
+
     # torch names the group after creating it (_set_group_name), and C++ reads the name back
     # (functional collectives resolve groups by it): both go through these overrides.
     def setGroupName(self, name: str) -> None:  # noqa: N802 - c10d's name

@@ -295,3 +295,30 @@ def test_two_agents_across_network_namespaces(two_hosts, script):
     assert all(a.returncode == 0 for a in agents), [o[1][-2000:] for o in outs]
     rows = reports("".join(o[0] for o in outs))
     assert [r["env"]["RANK"] for r in rows] == ["0", "1", "2", "3"] and all(r["sum"] == 6.0 for r in rows)
+
+
+def test_a_slow_console_gets_every_line_of_a_job_that_succeeded(tmp_path):
+    """The agent waits for its forwarding threads: a console that reads late still gets every line.
+
+    Each worker writes about 50 KB, which its own pipe holds, and exits at once; together they overfill
+    the console's pipe, which nobody reads for a while: the agent sees every worker done while its
+    forwarding threads are still blocked on the console (it returned then, and the rest was lost)."""
+    proc = subprocess.Popen([*SPMD, "run", "--nproc-per-node", "2", str(SCRIPTS / "chatty.py"), "700"],
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(8)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    assert out.count(b"line ") == 2 * 700
+
+
+def test_a_console_that_closes_does_not_block_the_workers(tmp_path):
+    """`spmd run ... | head -1`: the console goes away; the workers still finish and the log files get everything."""
+    proc = subprocess.Popen([*SPMD, "run", "--nproc-per-node", "2", "--tee", "1", "--log-dir", str(tmp_path), "--rdzv-id", "closed",
+                             str(SCRIPTS / "chatty.py"), "20000"], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    for local in ("0", "1"):
+        assert (tmp_path / "closed" / "attempt_0" / local / "stdout.log").read_text().count("line ") == 20000

@@ -116,6 +116,7 @@ class Agent:
             self.group.start()
             outcome, failure = self._monitor(rdzv, round_)
             if outcome == "done":
+                self.group.drain()  # every line the workers wrote reaches the console and the log files
                 rdzv.store.add(rdzv.key(round_, "done"), 1)
                 if hosting:  # the store must outlive every other agent's last look at it
                     self._wait_others_done(rdzv, round_, membership.num_nodes)

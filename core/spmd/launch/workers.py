@@ -146,19 +146,45 @@ class _Sink:
         self.lock = threading.Lock()
 
     def pump(self, stream: IO[bytes]) -> None:
+        """Forward every line until the worker closes the stream.
+
+        A destination that fails (a console piped into ``head`` that exited, a
+        full disk) is dropped with one note and the stream is still drained:
+        a worker must never block writing to a pipe nobody reads.
+        """
         for line in iter(stream.readline, b""):
             if self.log is not None:
-                self.log.write(line)
-                self.log.flush()
+                try:
+                    self.log.write(line)
+                    self.log.flush()
+                except OSError as error:
+                    self._drop(self.log, f"log file {getattr(self.log, 'name', '')}", error)
+                    self.log = None
             if self.console is not None:
-                with _CONSOLE_LOCK:
-                    self.console.write(self.prefix + line)
-                    self.console.flush()
+                try:
+                    with _CONSOLE_LOCK:
+                        self.console.write(self.prefix + line)
+                        self.console.flush()
+                except OSError as error:
+                    self._drop(None, "console", error)
+                    self.console = None
             if self.tail is not None:
                 self.tail.append(line.decode(errors="replace").rstrip("\n"))
         stream.close()
         if self.log is not None:
             self.log.close()
+
+    def _drop(self, closing: IO[bytes] | None, what: str, error: OSError) -> None:
+        """Stop forwarding to a destination that failed, say so once on stderr (if it can), keep draining."""
+        if closing is not None:
+            try:
+                closing.close()
+            except OSError:
+                pass
+        try:
+            sys.stderr.write(f"spmd run: stopped forwarding {self.prefix.decode().strip() or 'a worker'}'s output to the {what}: {error}\n")
+        except OSError:
+            pass
 
 
 _CONSOLE_LOCK = threading.Lock()
@@ -265,6 +291,18 @@ class WorkerGroup:
             worker.proc.wait()
             for thread in worker.threads:
                 thread.join(timeout=1.0)
+
+    def drain(self, timeout: float = 10.0) -> None:
+        """Wait (at most ``timeout`` s in all) for the workers' output to be forwarded to its end.
+
+        The workers have exited, but the pump threads may still be writing
+        their last lines (a slow console): returning before them loses output.
+        A pipe a worker's own child keeps open is given up on at the timeout.
+        """
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            for thread in worker.threads:
+                thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
     def pids(self) -> Mapping[int, int]:
         return {w.rank: w.proc.pid for w in self.workers}

@@ -104,11 +104,15 @@ class Rendezvous:
         return int(self.store.add("round", 0))
 
     def advance_from(self, round_: int) -> int:
-        """Move the job to round ``round_ + 1`` (idempotent across agents); return the new round."""
-        current = self.current_round()
-        if current <= round_:
-            self.store.add("round", round_ + 1 - current)
-        return max(current, round_ + 1)
+        """Move the job from round ``round_`` to ``round_ + 1`` once, however many agents ask; return the round now.
+
+        A compare-and-set on the store: agents that restart after the same
+        failure all call this, and reading the round then adding to it let two
+        of them add one each, skipping a round (agents then waited in
+        different rounds until the rendezvous timed out).
+        """
+        self.current_round()  # the counter exists from here on (``add`` keeps it as a decimal string)
+        return int(self.store.compare_set("round", str(round_), str(round_ + 1)))
 
     def key(self, round_: int, name: str) -> str:
         return f"r{round_}/{name}"

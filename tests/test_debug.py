@@ -187,3 +187,25 @@ def test_stopping_the_watchdog_waits_for_the_store_call_in_flight():
     assert in_call.wait(5.0)
     dog.stop()
     assert not dog.thread.is_alive()
+
+
+def _dump_of(rank: int, entries: list[tuple[str, list[list[int]], str | None]]) -> dict:
+    """A two-rank flight-recorder dump of completed ops on group 'world' (what ``spmd.debug.dump`` writes)."""
+    rows = [{"group": "world", "seq": seq, "op": op, "shapes": shapes, "dtypes": ["float32"] * len(shapes), "reduce_op": reduce,
+             "peer": None, "t_start": 0.0, "t_end": 0.0, "state": "completed", "error": None, "context": None}
+            for seq, (op, shapes, reduce) in enumerate(entries)]
+    return {"version": 1, "rank": rank, "world_size": 2, "groups": {"world": [0, 1]}, "progress": {}, "entries": rows}
+
+
+def test_trace_analysis_takes_uneven_all_to_all_shapes_and_finds_the_real_divergence():
+    """An uneven all_to_all_single (rows 10 and 14 each way, rows of 4) is consistent; the SUM against
+    MAX at #3 is the divergence (the shapes of #0 used to be reported as the first one)."""
+    common = [("all_reduce", [[4]], "SUM"), ("all_reduce", [[4]], "SUM")]
+    rank0 = [("all_to_all_single", [[10, 4], [14, 4]], None), *common, ("all_reduce", [[4]], "SUM")]
+    rank1 = [("all_to_all_single", [[14, 4], [10, 4]], None), *common, ("all_reduce", [[4]], "MAX")]
+    result = analyze.analyze({0: _dump_of(0, rank0), 1: _dump_of(1, rank1)})
+    world = next(g for g in result["groups"] if g["name"] == "world")
+    assert world["divergence"]["seq"] == 3, world
+    rows = _dump_of(1, [("all_to_all_single", [[14, 8], [10, 8]], None)])  # rows of 8 against rows of 4: a real one
+    world = next(g for g in analyze.analyze({0: _dump_of(0, rank0[:1]), 1: rows})["groups"] if g["name"] == "world")
+    assert world["divergence"]["seq"] == 0, world

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spmd.debug.desync import SHAPES_MAY_DIFFER
 from spmd.debug.dump import dump_format_version
 
 
@@ -40,7 +41,13 @@ def load(directory: str | Path) -> dict[int, dict[str, Any]]:
 
 
 def _signature(entry: dict[str, Any]) -> str:
-    shapes = ";".join("x".join(map(str, s)) for s in entry["shapes"])
+    """What the members' calls must share (as ``desync.comparable_signature``): the shapes, except for ops
+    whose shapes may differ by rank (uneven all_to_all_single: only the shape of a row)."""
+    if entry["op"] in SHAPES_MAY_DIFFER:
+        row = entry["shapes"][0][1:] if entry["op"] == "all_to_all_single" and entry["shapes"] else []
+        shapes = f"rows {'x'.join(map(str, row))}" if row else ""
+    else:
+        shapes = ";".join("x".join(map(str, s)) for s in entry["shapes"])
     reduce = f" {entry['reduce_op']}" if entry.get("reduce_op") else ""
     return f"{entry['op']}({','.join(entry['dtypes'])} [{shapes}]){reduce}"
 

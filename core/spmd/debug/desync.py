@@ -20,7 +20,7 @@ from spmd.errors import CollectiveDesyncError, CollectiveTimeoutError
 
 #: Ops whose ranks may legitimately pass different shapes: only op and dtype must agree (and for
 #: all_to_all_single the shape of a row: its rows travel between ranks, their number may differ).
-_SHAPES_MAY_DIFFER = {"all_to_all_single", "barrier"}
+SHAPES_MAY_DIFFER = {"all_to_all_single", "barrier"}
 
 
 def _read_switch() -> bool:
@@ -41,7 +41,7 @@ def refresh() -> None:
 def call_signature(entry: Entry, root: int | None = None) -> str:
     """What every rank of the group must agree on for ``entry``'s op (shapes only where they must match;
     all_to_all_single's splits follow as `` splits 1,2/3,4``, to be matched across ranks by ``pair_split_mismatch``)."""
-    if entry.op in _SHAPES_MAY_DIFFER:
+    if entry.op in SHAPES_MAY_DIFFER:
         dtypes = ",".join(str(d).removeprefix("torch.") for d in entry.dtypes)
         row = entry.shapes[0][1:] if entry.op == "all_to_all_single" else ()
         text = f"{entry.op}({dtypes}; rows {'x'.join(map(str, row))})" if row else f"{entry.op}({dtypes})"
@@ -51,6 +51,12 @@ def call_signature(entry: Entry, root: int | None = None) -> str:
     if entry.splits is not None:
         text += f" splits {','.join(map(str, entry.splits[0]))}/{','.join(map(str, entry.splits[1]))}"
     return text
+
+
+def comparable_signature(entry: Entry) -> str:
+    """``call_signature`` without all_to_all_single's splits: what every member's call must share, for
+    the diagnosis of a stuck op (splits differ by rank; ``pair_split_mismatch`` checks that they pair up)."""
+    return call_signature(entry).partition(" splits ")[0]
 
 
 def _parse_splits(call: str) -> tuple[list[int], list[int]]:

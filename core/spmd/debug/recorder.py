@@ -11,7 +11,7 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -122,9 +122,9 @@ class FlightRecorder:
         row = self.progress.get(group)
         return list(row[5]) if row is not None else []  # (one C-level copy: safe beside the appending thread)
 
-    def published_progress(self) -> dict[str, list[Any]]:
-        """``progress`` for the store: the last started Entry replaced by its signature."""
-        return {group: [*row[:4], row[4].signature()] for group, row in list(self.progress.items())}
+    def published_progress(self, signature: Callable[[Entry], str] = Entry.signature) -> dict[str, list[Any]]:
+        """``progress`` for the store: the last started Entry replaced by its ``signature``."""
+        return {group: [*row[:4], signature(row[4])] for group, row in list(self.progress.items())}
 
     def watch(self, entry: Entry, work: Any, limit: float | None = None) -> None:
         """Remember an async op and its deadline (``limit`` seconds from now; None: none) for the watchdog."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.distributed as tdist
 
+from spmd.debug.desync import comparable_signature
 from spmd.debug.dump import dump, trace_dir
 from spmd.debug.history import HistoryCheck
 from spmd.debug.recorder import Entry, recorder
@@ -128,7 +129,7 @@ class Watchdog:
     def tick(self) -> None:
         """Publish this rank's progress and serve dump requests (forgetting finished async ops first)."""
         recorder.poll_outstanding()
-        payload = json.dumps({"t": time.time(), "progress": recorder.published_progress()})
+        payload = json.dumps({"t": time.time(), "progress": recorder.published_progress(comparable_signature)})
         with self.lock:
             self.client.set(PROGRESS_KEY.format(rank=self.rank), payload)
             requests = int(self.client.add(DUMP_COUNTER, 0))
@@ -328,7 +329,7 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
         summary.append(f"ranks that called a different op at seq {entry.seq}: {diverged}")
     if ahead:
         summary.append(f"ranks already past it: {ahead}")
-    calls.setdefault(dog.rank, entry.signature())
+    calls.setdefault(dog.rank, comparable_signature(entry))
     if len(set(calls.values())) > 1:  # same seq, different arguments: the likely cause of the hang
         shown = " / ".join(f"rank {r}: {sig}" for r, sig in sorted(calls.items()))
         summary.insert(0, f"ranks disagree on seq {entry.seq}: {shown}")

@@ -134,9 +134,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_signal_to_the_agent_reaches_every_worker(tmp_path, signum):
-    agent = subprocess.Popen([*SPMD, "run", "--nproc-per-node", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path)], env=clean_env(), stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize(("signum", "flags"), [(signal.SIGINT, []), (signal.SIGTERM, []), (signal.SIGHUP, []),
+                                              (signal.SIGUSR1, ["--signals-to-handle", "SIGTERM,SIGUSR1"])])
+def test_signal_to_the_agent_reaches_every_worker(tmp_path, signum, flags):
+    """torchrun's default set (SIGTERM, SIGINT, SIGHUP, SIGQUIT) and what --signals-to-handle adds reach every
+    worker's handler (a SIGHUP killed the agent, and with it the workers, before they could act)."""
+    agent = subprocess.Popen([*SPMD, "run", "--nproc-per-node", "2", *flags, str(SCRIPTS / "sleeper.py"), str(tmp_path)],
+                             env=clean_env(), stderr=subprocess.PIPE, text=True)
     _wait_for(lambda: len(list(tmp_path.glob("pid*"))) == 2, 60, "both workers to start")
     pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
     agent.send_signal(signum)
@@ -144,6 +148,7 @@ def test_signal_to_the_agent_reaches_every_worker(tmp_path, signum):
     assert agent.returncode == 128 + signum
     assert f"received {signal.Signals(signum).name}" in err
     _wait_for(lambda: not any(_alive(p) for p in pids), 10, "workers to exit")
+    assert [(tmp_path / f"got{r}").read_text() for r in (0, 1)] == [signal.Signals(signum).name] * 2
 
 
 def test_kill_9_of_the_agent_leaves_no_orphan(tmp_path):

@@ -1,10 +1,22 @@
-"""Writes its pid, then waits to be stopped (the test signals the agent)."""
+"""Writes its pid, then waits to be stopped (the test signals the agent); notes which signal reached it."""
 
 import os
+import signal
 import sys
 import time
 
-with open(os.path.join(sys.argv[1], f"pid{os.environ['RANK']}"), "w") as f:
+folder, rank = sys.argv[1], os.environ["RANK"]
+
+
+def note(signum, frame):
+    with open(os.path.join(folder, f"got{rank}"), "w") as f:
+        f.write(signal.Signals(signum).name)
+    sys.exit(0)
+
+
+for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+    signal.signal(signum, note)
+with open(os.path.join(folder, f"pid{rank}"), "w") as f:
     f.write(str(os.getpid()))
 deadline = time.monotonic() + 120
 while time.monotonic() < deadline:

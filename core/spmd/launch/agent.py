@@ -68,7 +68,7 @@ class Agent:
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, self._on_signal) for s in self.config.signals}
         try:
             return self._run()
         except _Interrupted as interrupted:

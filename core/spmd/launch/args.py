@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from dataclasses import dataclass
 
 
@@ -31,6 +32,8 @@ class RunConfig:
     last_call: float
     stop_grace: float
     master_addr: str | None = None  # what workers get as MASTER_ADDR (default: node 0's address)
+    #: Signals the agent forwards to every worker before stopping the job (``--signals-to-handle``).
+    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     rdzv_token: str | None = None  # the job token: the store's keys live under a namespace derived from it
 
 
@@ -88,7 +91,6 @@ ACCEPTED: dict[str, tuple[str, str | None, str]] = {
     "--local-addr": ("--local_addr", "ADDR", "ignored: the agent finds its address on the route to the rendezvous host"),
     "--logs-specs": ("--logs_specs", "SPECS", "ignored: logs go to --log-dir"),
     "--numa-binding": ("--numa_binding", "KIND", "ignored: no NUMA binding (use numactl in --no-python mode)"),
-    "--signals-to-handle": ("--signals_to_handle", "SIGNALS", "SIGINT and SIGTERM are forwarded to every worker; others are not handled"),
     "--virtual-local-rank": ("--virtual_local_rank", None, "ignored: LOCAL_RANK stays the worker's real local rank"),
 }
 
@@ -100,6 +102,20 @@ def accepted_notes(ns: argparse.Namespace) -> list[str]:
         if getattr(ns, flag.lstrip("-").replace("-", "_"), None) not in (None, False):
             notes.append(f"{flag}: {note}")
     return notes
+
+
+def _signals(text: str) -> tuple[int, ...]:
+    """``SIGTERM,SIGINT,...`` (names, with or without SIG, or numbers) as signal numbers."""
+    found = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        name = item.upper() if item.upper().startswith("SIG") else f"SIG{item.upper()}"
+        try:
+            found.append(signal.Signals(int(item)) if item.isdigit() else signal.Signals[name])
+        except (KeyError, ValueError):
+            raise SystemExit(f"spmd run: --signals-to-handle: {item!r} is not a signal name (e.g. SIGTERM,SIGINT,SIGUSR1)") from None
+        if found[-1] in (signal.SIGKILL, signal.SIGSTOP):
+            raise SystemExit(f"spmd run: --signals-to-handle: {found[-1].name} cannot be handled")
+    return tuple(found)
 
 
 def _rdzv_conf(text: str | None) -> dict[str, float]:
@@ -134,6 +150,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--master-addr", "--master_addr", default=None, help="as torchrun's static rendezvous: without --rdzv-endpoint, agents meet at MASTER_ADDR:MASTER_PORT, and workers get MASTER_ADDR")
     add("--master-port", "--master_port", type=int, default=None, help="see --master-addr (workers' MASTER_PORT is a free port node 0 picks: the agents' store holds this one, as torchrun's does)")
     add("--shutdown-timeout", "--shutdown_timeout", type=float, default=None, help="torchrun's name for --stop-grace")
+    add("--signals-to-handle", "--signals_to_handle", default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        help="signals the agent forwards to every worker (then SIGKILL after --stop-grace) and stops the job on; e.g. add SIGUSR1 for a checkpoint-before-timeout signal")
     for flag, (underscored, meta, note) in ACCEPTED.items():
         names = [flag] if underscored == flag else [flag, underscored]
         text = f"accepted for torchrun compatibility: {note}"
@@ -185,5 +203,6 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         last_call=conf.get("last_call_timeout", ns.last_call),
         stop_grace=ns.stop_grace if ns.shutdown_timeout is None else ns.shutdown_timeout,
         master_addr=ns.master_addr,
+        signals=_signals(ns.signals_to_handle),
         rdzv_token=ns.rdzv_token or os.environ.get("SPMD_RDZV_TOKEN") or None,
     )

@@ -223,6 +223,10 @@ class GlooBackend(Backend):
         opts = tdist.ReduceOptions()
         opts.reduceOp = _GLOO_OPS[op]
         opts.rootRank = dst
+        if self.rank != dst:
+            # Gloo's reduce writes partial sums into every rank's buffer; the contract (and the other
+            # backends) leave a non-root rank's tensor as it was, so Gloo gets a copy there.
+            native = native.clone()
         return self._wrap(self.pg.reduce([native], opts), native)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Work | NativeWork:

@@ -179,6 +179,8 @@ def check_reduce(g: ProcessGroup, rec: Recorder) -> None:
                     _done(spmd.reduce(t, group_dst=root, op=op, group=g, async_op=async_op))
                     if g.rank == root:
                         check_reduced(t, expected_reduce(inputs, op), key)
+                    else:  # the contract: only the root's tensor changes
+                        _expect_bytes(t, inputs[g.rank], f"{key}: a non-root rank's tensor after reduce")
 
                 rec.case(key, body)
 

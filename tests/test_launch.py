@@ -327,3 +327,13 @@ def test_a_console_that_closes_does_not_block_the_workers(tmp_path):
     assert proc.returncode == 0, err.decode()
     for local in ("0", "1"):
         assert (tmp_path / "closed" / "attempt_0" / local / "stdout.log").read_text().count("line ") == 20000
+
+
+def test_a_failed_workers_helper_processes_are_stopped_with_the_job(tmp_path):
+    """Rank 0 starts a helper and exits 3 while rank 1 runs on: stopping the job reaches rank 0's helper
+    too (its process group was skipped once its leader had exited, leaving the helper running)."""
+    out = subprocess.run([*SPMD, "run", "--nproc-per-node", "2", str(SCRIPTS / "helper_child.py"), str(tmp_path)],
+                         env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr
+    helpers = [int((tmp_path / f"helper{r}").read_text()) for r in (0, 1)]
+    _wait_for(lambda: not any(_alive(p) for p in helpers), 10, "both ranks' helpers to be stopped")

@@ -188,6 +188,8 @@ class _Sink:
 
 
 _CONSOLE_LOCK = threading.Lock()
+#: Seconds ``WorkerGroup.stop`` waits for workers to die after SIGKILL before it reports and leaves them.
+KILL_WAIT_S = 30.0
 
 
 class WorkerGroup:
@@ -270,15 +272,21 @@ class WorkerGroup:
                        code, detail, on_console)
 
     def signal_all(self, signum: int) -> None:
+        """Signal every worker's process group: its children too, also those of a worker that already
+        exited (the group lives on while any member does; a reaped worker's empty group is skipped)."""
         for worker in self.workers:
-            if worker.proc.poll() is None:
-                try:
-                    os.killpg(worker.proc.pid, signum)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(worker.proc.pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Signal every worker's process group, then SIGKILL what is left after the grace period."""
+        """Signal every worker's process group, then SIGKILL what is left after the grace period.
+
+        A worker that even SIGKILL does not end within ``KILL_WAIT_S`` (stuck in
+        the kernel: a wedged driver, a hung network file system) is reported and
+        left behind, so the agent can still report, restart or exit.
+        """
         self.signal_all(signum)
         deadline = time.monotonic() + self.config.stop_grace
         for worker in self.workers:
@@ -287,8 +295,14 @@ class WorkerGroup:
             except subprocess.TimeoutExpired:
                 pass
         self.signal_all(signal.SIGKILL)
+        deadline = time.monotonic() + KILL_WAIT_S
         for worker in self.workers:
-            worker.proc.wait()
+            try:
+                worker.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                sys.stderr.write(f"spmd run: rank {worker.rank} (pid {worker.proc.pid}) did not exit {KILL_WAIT_S:.0f} s after SIGKILL "
+                                 "(stuck in the kernel: a device driver or network file system?); leaving it\n")
+                continue
             for thread in worker.threads:
                 thread.join(timeout=1.0)
 

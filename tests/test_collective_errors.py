@@ -319,3 +319,17 @@ def test_only_this_worlds_announcements_make_a_group_unusable(spmd_world):
     for r in results:
         assert r["old"] is None and r["old_sum"] == [2.0, 2.0], r
         assert r["new"] == "rank 1 gave up on it: now", r
+
+
+def test_roots_may_be_numpy_or_torch_integers_and_a_bad_one_names_the_groups_ranks():
+    import numpy as np
+
+    spmd.init("gloo", rank=0, world_size=1, store=torch.distributed.HashStore())
+    try:
+        t = torch.ones(3)
+        spmd.broadcast(t, src=np.int64(0))  # torch takes these (it was "not a valid rank")
+        spmd.reduce(t, dst=torch.tensor(0))
+        with pytest.raises(ValueError, match=r"src='0' is not a rank; pass an integer, one of group 'world''s ranks \[0\]"):
+            spmd.broadcast(t, src="0")
+    finally:
+        spmd.destroy_process_group()

@@ -6,6 +6,7 @@ one frame); the others check outputs, roots and per-rank lists.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -71,8 +72,11 @@ def resolve_root(group: ProcessGroup, rank: int | None, group_rank: int | None, 
         return group_rank
     if rank is None:
         raise ValueError(f"{op}: pass {what}= (a global rank) or group_{what}= (a rank within the group)")
-    if not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"{op}: {what}={rank!r} is not a valid rank; ranks are 0..{group.size - 1}")
+    if type(rank) is not int:
+        try:
+            rank = operator.index(rank)  # numpy and torch integers, as torch accepts them
+        except TypeError:
+            raise ValueError(f"{op}: {what}={rank!r} is not a rank; pass an integer, one of group {group.name!r}'s ranks {list(group.ranks)}") from None
     return group.group_rank(rank)
 
 

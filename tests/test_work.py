@@ -256,3 +256,17 @@ def test_from_native_names_the_missing_method():
 
     with pytest.raises(TypeError, match="Partial is not a spmd NativeWork: it has no wait"):
         spmd.Work.from_native(Partial())
+
+
+def test_an_async_collectives_future_holds_its_output_as_torchs_does():
+    """``fut.value()[0]`` (torch's comm-hook idiom) works on spmd's own async collectives too."""
+    spmd.init("gloo", rank=0, world_size=1, store=torch.distributed.HashStore())
+    try:
+        t, out = torch.ones(3), torch.empty(3)
+        assert spmd.all_reduce(t, async_op=True).get_future().wait()[0] is t
+        assert spmd.broadcast(t, 0, async_op=True).result()[0] is t
+        assert spmd.all_gather_into_tensor(out, t, async_op=True).get_future().then(lambda f: f.value()[0] * 2).wait().tolist() == [2.0] * 3
+        strided = torch.ones(3, 2)[:, 0]  # staged: the value is the caller's tensor, after the write-back
+        assert spmd.all_reduce(strided, async_op=True).get_future().wait()[0] is strided
+    finally:
+        spmd.destroy_process_group()

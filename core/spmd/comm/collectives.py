@@ -52,7 +52,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Process
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         if tensor.is_contiguous() and (op is not AVG or backend.supports_avg and tensor.dtype not in PREDIVIDED):
-            return complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op, timeout=timeout)  # nothing to stage
+            return complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op, timeout=timeout, result=tensor)  # nothing to stage
         native = native_op(backend, op, tensor.dtype)
         before = predivided(op, native, tensor.dtype)
         staged = Contiguous(tensor)
@@ -61,7 +61,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Process
         work = backend.all_reduce(staged.tensor, native)
         steps = [average(staged.tensor, g.size)] if native is not op and not before else []
         steps += staging_steps(staged, write_back=(staged,))
-        return complete(work, g, "all_reduce", call, async_op, sequence(*steps), timeout=timeout)
+        return complete(work, g, "all_reduce", call, async_op, sequence(*steps), timeout=timeout, result=tensor)
     except Exception as error:
         give_up(group, "all_reduce", error)
         raise
@@ -92,7 +92,7 @@ def reduce(
         work = backend.reduce(staged.tensor, root, native)
         steps = [average(staged.tensor, g.size)] if native is not op and not before and g.rank == root else []
         steps += staging_steps(staged, write_back=(staged,) if g.rank == root else ())
-        return complete(work, g, "reduce", call, async_op, sequence(*steps), timeout=timeout)
+        return complete(work, g, "reduce", call, async_op, sequence(*steps), timeout=timeout, result=tensor)
     except Exception as error:
         give_up(group, "reduce", error)
         raise
@@ -120,7 +120,7 @@ def reduce_scatter_tensor(
         native = native_op(backend, op, input.dtype)
         aliased = overlaps(input, output)
         if native is op and input.is_contiguous() and output.is_contiguous() and not aliased:
-            return complete(backend.reduce_scatter_tensor(output, input, op), g, "reduce_scatter_tensor", call, async_op, timeout=timeout)
+            return complete(backend.reduce_scatter_tensor(output, input, op), g, "reduce_scatter_tensor", call, async_op, timeout=timeout, result=output)
         before = predivided(op, native, input.dtype)
         staged_in = Contiguous(input, force=aliased or before)  # (the input stays as the caller gave it)
         if before:
@@ -129,7 +129,7 @@ def reduce_scatter_tensor(
         work = backend.reduce_scatter_tensor(staged_out.tensor, staged_in.tensor, native)
         steps = [average(staged_out.tensor, g.size)] if native is not op and not before else []
         steps += staging_steps(staged_out, staged_in, write_back=(staged_out,))
-        return complete(work, g, "reduce_scatter_tensor", call, async_op, sequence(*steps), timeout=timeout)
+        return complete(work, g, "reduce_scatter_tensor", call, async_op, sequence(*steps), timeout=timeout, result=output)
     except Exception as error:
         give_up(group, "reduce_scatter_tensor", error)
         raise
@@ -179,10 +179,10 @@ def broadcast(
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         if tensor.is_contiguous():
-            return complete(backend.broadcast(tensor, root), g, "broadcast", call, async_op, timeout=timeout)
+            return complete(backend.broadcast(tensor, root), g, "broadcast", call, async_op, timeout=timeout, result=tensor)
         staged = Contiguous(tensor, copy_in=g.rank == root)
         work = backend.broadcast(staged.tensor, root)
-        return complete(work, g, "broadcast", call, async_op, sequence(*staging_steps(staged, write_back=(staged,))), timeout=timeout)
+        return complete(work, g, "broadcast", call, async_op, sequence(*staging_steps(staged, write_back=(staged,))), timeout=timeout, result=tensor)
     except Exception as error:
         give_up(group, "broadcast", error)
         raise
@@ -208,12 +208,12 @@ def all_gather_into_tensor(
             return call
         aliased = overlaps(input_tensor, output_tensor)  # torch's in-place form: input = output[own block]
         if input_tensor.is_contiguous() and output_tensor.is_contiguous() and not aliased:
-            return complete(backend.all_gather_into_tensor(output_tensor, input_tensor), g, "all_gather_into_tensor", call, async_op, timeout=timeout)
+            return complete(backend.all_gather_into_tensor(output_tensor, input_tensor), g, "all_gather_into_tensor", call, async_op, timeout=timeout, result=output_tensor)
         staged_in = Contiguous(input_tensor, force=aliased)
         staged_out = Contiguous(output_tensor, copy_in=False)
         work = backend.all_gather_into_tensor(staged_out.tensor, staged_in.tensor)
         after = sequence(*staging_steps(staged_out, staged_in, write_back=(staged_out,)))
-        return complete(work, g, "all_gather_into_tensor", call, async_op, after, timeout=timeout)
+        return complete(work, g, "all_gather_into_tensor", call, async_op, after, timeout=timeout, result=output_tensor)
     except Exception as error:
         give_up(group, "all_gather_into_tensor", error)
         raise
@@ -300,12 +300,12 @@ def all_to_all_single(
             return call
         aliased = overlaps(input, output)  # all_to_all_single(t, t), or an output shifted over its input
         if input.is_contiguous() and output.is_contiguous() and not aliased:
-            return complete(backend.all_to_all_single(output, input, out_sizes, in_sizes), g, "all_to_all_single", call, async_op, timeout=timeout)
+            return complete(backend.all_to_all_single(output, input, out_sizes, in_sizes), g, "all_to_all_single", call, async_op, timeout=timeout, result=output)
         staged_in = Contiguous(input, force=aliased)
         staged_out = Contiguous(output, copy_in=False)
         work = backend.all_to_all_single(staged_out.tensor, staged_in.tensor, out_sizes, in_sizes)
         after = sequence(*staging_steps(staged_out, staged_in, write_back=(staged_out,)))
-        return complete(work, g, "all_to_all_single", call, async_op, after, timeout=timeout)
+        return complete(work, g, "all_to_all_single", call, async_op, after, timeout=timeout, result=output)
     except Exception as error:
         give_up(group, "all_to_all_single", error)
         raise
@@ -416,7 +416,7 @@ def scatter(
             return call
         staged = Contiguous(tensor, copy_in=False)
         work = backend.scatter(staged.tensor, packed, root)
-        return complete(work, g, "scatter", call, async_op, sequence(*staging_steps(staged, write_back=(staged,))), timeout=timeout)
+        return complete(work, g, "scatter", call, async_op, sequence(*staging_steps(staged, write_back=(staged,))), timeout=timeout, result=tensor)
     except Exception as error:
         give_up(group, "scatter", error)
         raise

@@ -139,8 +139,12 @@ def complete(
     async_op: bool,
     after: Callable[[], None] | None = None,
     timeout: Timeout = None,
+    result: torch.Tensor | None = None,
 ) -> Work | None:
     """Record the submitted op, attach its timeout (the group's unless ``timeout``), group and entry to ``work``; wait unless ``async_op``.
+
+    ``result``: the op's output tensor; an async Work's value (``result()``,
+    ``get_future().value()``) is then ``[result]``, as torch's Work's.
 
     The hot path of every op: a few attribute stores, no closures. The
     description and the diagnosis of a failure are derived from the group and
@@ -172,6 +176,8 @@ def complete(
         if after is not None:
             work = work.then(after)
             work._entry, work._group = entry, group
+        if result is not None and work._value is None:
+            work._value = [result]  # (kept by _finish, which stores only a value that is not None)
         if not work._is_done:  # (a finished Work has nothing left to age)
             recorder.watch(entry, work, limit)
         return work

@@ -53,53 +53,20 @@ _REDUCE_SCATTER_OPTIONS = {op: _built(tdist.ReduceScatterOptions, reduceOp=nativ
 _ALLTOALL_OPTIONS = tdist.AllToAllOptions()
 
 
-#: Seconds a point-to-point op may stay unfinished before ``GlooWork.poll`` waits for it on a helper thread.
-P2P_WATCH_AFTER_S = 1.0
-
-
 class GlooWork:
     """A c10d Gloo Work seen through spmd's public ``NativeWork`` protocol (the kernel wraps it).
 
     Waits natively, with Gloo's timed wait; Gloo itself bounds the untimed wait
     with the group timeout, so the common synchronous path makes no timed call.
-
-    Point-to-point ops (``p2p``) differ in two ways: c10d's Gloo send/recv
-    Work reports ``is_completed()`` only once someone waited on it, and a timed
-    wait that expires makes Gloo close every connection of the group. So a
-    shorter wait than the group's, or a poll of an op outstanding for
-    ``P2P_WATCH_AFTER_S``, hands the native wait to a helper thread (once) and
-    waits on its event instead: a short wait just returns False, and the
-    watchdog sees a finished send as finished.
     """
 
     _error: BaseException | None = None
     _done = False
-    _finished: threading.Event | None = None  # set by the helper thread, once one was started
 
-    def __init__(self, native: tdist.Work, group_timeout: float, keep_alive: object = None, p2p: bool = False) -> None:
+    def __init__(self, native: tdist.Work, group_timeout: float, keep_alive: object = None) -> None:
         self._native: tdist.Work | None = native
         self._group_timeout = group_timeout
         self._keep_alive = keep_alive  # views whose storage Gloo reads or writes
-        self._p2p_since = time.monotonic() if p2p else None
-
-    def _watch(self) -> threading.Event:
-        """The event of the helper thread that waits for this op natively (started on first use)."""
-        if self._finished is None:
-            self._finished = finished = threading.Event()
-            native = self._native
-
-            def run() -> None:
-                try:
-                    if native is not None:
-                        native.wait()  # bounded by the group timeout (Gloo's own)
-                except RuntimeError as error:
-                    self._settled(error)
-                else:
-                    self._settled(None)
-                finished.set()
-
-            threading.Thread(target=run, name="spmd-gloo-p2p-wait", daemon=True).start()
-        return self._finished
 
     def _settled(self, error: RuntimeError | None) -> bool:
         if error is not None:
@@ -118,26 +85,19 @@ class GlooWork:
 
     # -- spmd.comm.work.NativeWork -----------------------------------------------------
     def poll(self) -> bool:
-        if self._done or self._finished is not None:
-            return self._done
         native = self._native
-        if native is not None and native.is_completed():
+        if not self._done and native is not None and native.is_completed():
             try:
                 native.wait()  # finished: returns at once, or raises the op's error
             except RuntimeError as error:
                 return self._settled(error)
             return self._settled(None)
-        if self._p2p_since is not None and time.monotonic() - self._p2p_since > P2P_WATCH_AFTER_S:
-            self._watch()  # c10d will not say a send finished until someone waits: the helper does
         return self._done
 
     def wait(self, timeout: float | None) -> bool:
         native = self._native
         if self._done or native is None:
             return True
-        if self._finished is not None or (self._p2p_since is not None and timeout is not None and timeout < self._group_timeout):
-            self._watch().wait(timeout)  # never Gloo's timed wait on a p2p op: it would close the group's pairs
-            return self._done
         try:
             if timeout is None or timeout >= self._group_timeout:
                 native.wait()  # Gloo enforces the group timeout itself: bounded too
@@ -176,6 +136,83 @@ class GlooWork:
                 fn()
 
             future.add_done_callback(on_done)
+
+
+#: Seconds a send or receive may stay unfinished before ``GlooP2PWork.poll`` has a helper thread wait for it.
+P2P_WATCH_AFTER_S = 1.0
+
+
+class GlooP2PWork(GlooWork):
+    """A Gloo send or receive, which c10d's Work handles differently from a collective.
+
+    c10d's Gloo send/recv Work says ``is_completed()`` only once someone waited
+    on it, and a timed wait that expires makes Gloo close every connection of
+    the group. So exactly one thread ever waits natively, untimed (Gloo bounds
+    it by the group timeout): the first caller of an untimed ``wait``, or a
+    helper thread started by a shorter ``wait`` or by a ``poll`` of an op
+    outstanding for ``P2P_WATCH_AFTER_S`` (the watchdog's). Every other waiter
+    waits on its event: a short wait only ends that wait, and a finished send
+    is seen as finished. (Two native waits on one Gloo buffer would let one run
+    into its timeout, which closes the pairs.)
+    """
+
+    def __init__(self, native: tdist.Work, group_timeout: float, keep_alive: object = None) -> None:
+        super().__init__(native, group_timeout, keep_alive)
+        self._since = time.monotonic()
+        self._claim_lock = threading.Lock()
+        self._claimed = False
+        self._finished = threading.Event()
+
+    def _claim(self) -> bool:
+        """Become the one native waiter; False if another thread already is."""
+        with self._claim_lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
+
+    def _wait_natively(self) -> None:
+        native = self._native
+        try:
+            if native is not None:
+                native.wait()
+        except RuntimeError as error:
+            self._settled(error)
+        else:
+            self._settled(None)
+        self._finished.set()
+
+    def _wait_in_background(self) -> None:
+        if self._claim():
+            threading.Thread(target=self._wait_natively, name="spmd-gloo-p2p-wait", daemon=True).start()
+
+    def poll(self) -> bool:
+        if not self._done and not self._claimed and time.monotonic() - self._since > P2P_WATCH_AFTER_S:
+            self._wait_in_background()
+        return self._done
+
+    def wait(self, timeout: float | None) -> bool:
+        if self._done:
+            return True
+        untimed = timeout is None or timeout >= self._group_timeout
+        if untimed and self._claim():
+            self._wait_natively()
+            return True
+        if not untimed:
+            self._wait_in_background()
+        self._finished.wait(timeout)
+        return self._done
+
+    def add_done_callback(self, fn: Callable[[], object]) -> None:
+        if self._done:
+            fn()
+            return
+
+        def run() -> None:
+            self.wait(None)
+            fn()
+
+        threading.Thread(target=run, name="spmd-gloo-p2p-callback", daemon=True).start()
 
 
 #: Dtypes Gloo moves natively; others travel as raw bytes. Native is preferred:
@@ -226,8 +263,8 @@ class GlooBackend(Backend):
         self._timeout_s = ctx.timeout.total_seconds()
         self._broadcast_options = [_built(tdist.BroadcastOptions, rootRank=root) for root in range(ctx.size)]
 
-    def _wrap(self, native: tdist.Work, keep_alive: object = None, p2p: bool = False) -> Work | NativeWork:
-        return GlooWork(native, self._timeout_s, keep_alive, p2p)
+    def _wrap(self, native: tdist.Work, keep_alive: object = None) -> Work | NativeWork:
+        return GlooWork(native, self._timeout_s, keep_alive)
 
     @staticmethod
     def _native_reduce(tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor | None:
@@ -241,11 +278,11 @@ class GlooBackend(Backend):
     # -- point-to-point ------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work | NativeWork:
         data = _bytes(tensor)
-        return self._wrap(self.pg.send([data], dst, tag), data, p2p=True)
+        return GlooP2PWork(self.pg.send([data], dst, tag), self._timeout_s, data)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work | NativeWork:
         data = _bytes(tensor)
-        return self._wrap(self.pg.recv([data], src, tag), data, p2p=True)
+        return GlooP2PWork(self.pg.recv([data], src, tag), self._timeout_s, data)
 
     # -- collectives ---------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work | NativeWork:

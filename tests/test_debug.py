@@ -209,3 +209,32 @@ def test_trace_analysis_takes_uneven_all_to_all_shapes_and_finds_the_real_diverg
     rows = _dump_of(1, [("all_to_all_single", [[14, 8], [10, 8]], None)])  # rows of 8 against rows of 4: a real one
     world = next(g for g in analyze.analyze({0: _dump_of(0, rank0[:1]), 1: rows})["groups"] if g["name"] == "world")
     assert world["divergence"]["seq"] == 0, world
+
+
+def _all_reduces(rank: int, seqs: range, stuck: int | None = None, time: float = 1000.0, run: list | None = None) -> dict:
+    """A dump of all_reduces on group 'world' of 2 ranks with sequence numbers ``seqs`` (``stuck`` still running)."""
+    dump = _dump_of(rank, [("all_reduce", [[4]], "SUM")] * len(seqs))
+    for entry, seq in zip(dump["entries"], seqs):
+        entry["seq"] = seq
+        entry["state"] = "started" if seq == stuck else "completed"
+    dump.update(time=time, run=run or ["job", "0"])
+    return dump
+
+
+def test_trace_analysis_after_the_flight_recorder_ring_wrapped():
+    """Rank 0 waits in #4999, rank 1 never came past #4998; each ring holds its last 2000 ops, so rank 0's no
+    longer has #2999: that is no evidence of anything (it used to be reported as stuck at #2999)."""
+    result = analyze.analyze({0: _all_reduces(0, range(3000, 5000), stuck=4999), 1: _all_reduces(1, range(2999, 4999))})
+    world = result["groups"][0]
+    assert world["stuck_seq"] == 4999 and world["divergence"] is None, world
+    assert world["at_stuck"][1].startswith("never reached #4999"), world
+
+
+def test_trace_analysis_leaves_out_dumps_of_an_earlier_run():
+    """Today rank 0 hangs in #3 and rank 1 died without a dump; yesterday's rank1.json (of another run) must not
+    stand in for it as 'ok'."""
+    today = _all_reduces(0, range(4), stuck=3, time=100_000.0, run=["job-b", "0"])
+    yesterday = _all_reduces(1, range(8), time=13_600.0, run=["job-a", "0"])
+    result = analyze.analyze({0: today, 1: yesterday})
+    assert result["ranks_without_dumps"] == [1] and list(result["stale_dumps"]) == ["1"], result
+    assert "left out as stale" in analyze.render(result)

@@ -58,8 +58,32 @@ def _state_mark(entry: dict[str, Any] | None) -> str:
     return {"completed": "ok", "started": "..", "failed": "FAILED", "scheduled": "queued"}.get(entry["state"], entry["state"])
 
 
+#: A dump this many seconds older than the newest one is from another incident (an earlier run or attempt).
+STALE_AFTER_S = 120.0
+
+
+def _current(dumps: dict[int, dict[str, Any]]) -> tuple[dict[int, dict[str, Any]], dict[int, float]]:
+    """The dumps of the newest incident, and the others (rank -> age in seconds against the newest).
+
+    Dump directories persist across runs and restarts: a rank that died
+    without dumping would otherwise be shown by its dump of an earlier hang.
+    A dump is of the newest incident if it has the newest dump's run and
+    restart, and was written within ``STALE_AFTER_S`` of it.
+    """
+    newest = max(dumps.values(), key=lambda d: d.get("time", 0.0))
+    current, stale = {}, {}
+    for rank, d in dumps.items():
+        age = newest.get("time", 0.0) - d.get("time", 0.0)
+        if d.get("run") != newest.get("run") or age > STALE_AFTER_S:
+            stale[rank] = age
+        else:
+            current[rank] = d
+    return current, stale
+
+
 def analyze(dumps: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The analysis as plain data (what ``--json`` prints)."""
+    dumps, stale = _current(dumps)
     world_size = max(d["world_size"] for d in dumps.values())
     groups: dict[str, list[int]] = {}
     for d in dumps.values():
@@ -82,6 +106,10 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> dict[str, Any]:
         seqs = sorted({s for r in ranks if r in by_rank_group for s in by_rank_group[r].get(name, {})})
         if not seqs:
             continue
+        # Below the newest of the members' oldest recorded ops, some member's ring has let the op go
+        # (long done): a missing entry there is no evidence, so the search starts at that op.
+        oldest = [min(by_rank_group[r][name]) for r in ranks if by_rank_group.get(r, {}).get(name)]
+        seqs = [s for s in seqs if s >= max(oldest)]
         # first seq not completed by every member that has a dump (a missing dump counts as not completed)
         for s in seqs:
             states = [by_rank_group.get(r, {}).get(name, {}).get(s) for r in ranks]
@@ -118,6 +146,7 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> dict[str, Any]:
         "world_size": world_size,
         "ranks_with_dumps": sorted(dumps),
         "ranks_without_dumps": [r for r in range(world_size) if r not in dumps],
+        "stale_dumps": {str(r): round(age, 1) for r, age in sorted(stale.items())},
         "groups": [r.__dict__ for r in reports],
         "p2p_pending": {str(k): v for k, v in p2p_pending.items()},
     }
@@ -128,6 +157,9 @@ def render(result: dict[str, Any]) -> str:
     out = [f"world of {result['world_size']}: dumps from ranks {result['ranks_with_dumps']}"]
     if result["ranks_without_dumps"]:
         out.append(f"NO DUMP from ranks {result['ranks_without_dumps']} (dead, or the job ended before they could dump)")
+    if result.get("stale_dumps"):
+        ages = ", ".join(f"rank {r}: {age:.0f} s older" for r, age in result["stale_dumps"].items())
+        out.append(f"left out as stale (another run or attempt, or an earlier hang): {ages}")
     for g in result["groups"]:
         out.append(f"\ngroup {g['name']!r} (ranks {g['ranks']}):")
         if g["stuck_seq"] is None:

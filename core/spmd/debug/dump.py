@@ -46,6 +46,8 @@ def dump(reason: str = "requested", directory: str | os.PathLike | None = None) 
         "version": dump_format_version,
         "rank": rank,
         "world_size": current.world.size,
+        # which run and attempt (spmd run / torchrun set these): analysis leaves out dumps of other ones
+        "run": [os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_RESTART_COUNT")],
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "time": time.time(),

@@ -517,3 +517,24 @@ def cross_rank_checks_per_all_to_all(split_sizes: bool) -> int:
     assert out.tolist() == [1.0] * 4
     spmd.destroy_process_group(group)
     return len(checked)
+
+
+def p2p_timeout_diagnosis(timeout: float) -> str:
+    """Rank 0's recv from rank 1 times out after three all_reduces both made; rank 1, alive, never sends.
+    Returns rank 0's error (its diagnosis names the peer, not the ranks' collective progress)."""
+    from spmd.comm.state import get_state
+
+    store = get_state().store
+    group = spmd.new_group([0, 1], timeout=timeout)
+    for _ in range(3):
+        spmd.all_reduce(torch.ones(1), group=group)
+    if spmd.get_rank() == 0:
+        try:
+            spmd.recv(torch.zeros(1), src=1, group=group)
+            outcome = "no error"
+        except spmd.CollectiveTimeoutError as error:
+            outcome = str(error)
+        store.set("p2p_diag_test/rank0_done", "1")
+        return outcome
+    store.wait(["p2p_diag_test/rank0_done"])
+    return "stayed away"

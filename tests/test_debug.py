@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import helpers
 import spmd
 from spmd.debug import analyze
 from spmd.debug.recorder import FlightRecorder
@@ -238,3 +239,14 @@ def test_trace_analysis_leaves_out_dumps_of_an_earlier_run():
     result = analyze.analyze({0: today, 1: yesterday})
     assert result["ranks_without_dumps"] == [1] and list(result["stale_dumps"]) == ["1"], result
     assert "left out as stale" in analyze.render(result)
+
+
+def test_a_point_to_point_timeout_is_diagnosed_by_its_peer(spmd_world):
+    """A recv that times out: the diagnosis names the peer that must send, not 'ranks already past' seq -1."""
+    world = spmd_world(2, "gloo")
+    try:
+        rank0, _ = world.run(helpers.p2p_timeout_diagnosis, 3.0)
+    finally:
+        world.kill()  # the timed-out receive left the group unusable
+    assert "a point-to-point op with rank 1" in rank0 and "rank 1: last started all_reduce #2" in rank0, rank0
+    assert "already past it" not in rank0 and "seq -1" not in rank0, rank0

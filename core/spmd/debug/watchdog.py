@@ -298,6 +298,7 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
     now = time.time()
     never, diverged, ahead, lines = [], [], [], []
     calls: dict[int, str] = {}  # the signature each rank gave this seq, where it published one
+    collective = entry.seq >= 0  # (a point-to-point op has no sequence number to place the ranks against)
     for r in group.ranks:
         info = progress.get(r)
         if info is None:
@@ -312,9 +313,11 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
             lines.append(f"    rank {r}: no op on this group yet{dead}")
             continue
         started, started_op, done, done_op = state[:4]
-        if started == entry.seq and len(state) > 4 and state[4] is not None:
+        if collective and started == entry.seq and len(state) > 4 and state[4] is not None:
             calls[r] = state[4]
-        if started < entry.seq:
+        if not collective:
+            pass
+        elif started < entry.seq:
             never.append(r)
         elif started == entry.seq and started_op != entry.op:
             diverged.append(r)
@@ -323,13 +326,18 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
         last = f"last completed {done_op} #{done}" if done >= 0 else "nothing completed"
         lines.append(f"    rank {r}: last started {started_op} #{started}, {last}{dead}")
     summary = []
+    if not collective:  # what matters is the peer, which must post the matching op
+        peer_line = next((line.strip() for line in lines if line.strip().startswith(f"rank {entry.peer}:")), f"rank {entry.peer}: no report")
+        summary.append(f"a point-to-point op with rank {entry.peer}, which must post the matching one; {peer_line} (collectives on this group)")
+        never = []
     if never:
         summary.append(f"ranks that never reached seq {entry.seq}: {never}")
     if diverged:
         summary.append(f"ranks that called a different op at seq {entry.seq}: {diverged}")
     if ahead:
         summary.append(f"ranks already past it: {ahead}")
-    calls.setdefault(dog.rank, comparable_signature(entry))
+    if collective:
+        calls.setdefault(dog.rank, comparable_signature(entry))
     if len(set(calls.values())) > 1:  # same seq, different arguments: the likely cause of the hang
         shown = " / ".join(f"rank {r}: {sig}" for r, sig in sorted(calls.items()))
         summary.insert(0, f"ranks disagree on seq {entry.seq}: {shown}")

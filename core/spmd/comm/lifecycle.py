@@ -88,7 +88,9 @@ def begin_sized(
             if not splits_given:
                 group.agreed_calls.add(shape)
             return entry
-    return begin(group, op, tensors, reduce_op, root, splits, timeout)
+    if desync.on or splits is not None:
+        return begin(group, op, tensors, reduce_op, root, splits, timeout)
+    return (op, tensors, reduce_op)  # begin's common case, without its frame
 
 
 def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, splits: tuple[Sequence[int], Sequence[int]] | None,
@@ -128,7 +130,11 @@ def _record(group: ProcessGroup, call: Call, done: bool = False) -> Entry:
     """The op's flight-recorder entry: ``begin``'s, or recorded now (``done``: as already completed)."""
     if isinstance(call, Entry):
         return call
-    return recorder.start(group.name, group.next_seq(), *call, done=done)
+    seq = group.seq  # group.next_seq(), inline: this runs once per op
+    group.seq = seq + 1
+    if len(call) == 3:
+        return recorder.start(group.name, seq, call[0], call[1], call[2], done=done)
+    return recorder.start(group.name, seq, *call, done=done)
 
 
 def complete(

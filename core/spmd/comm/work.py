@@ -225,6 +225,8 @@ class Work:
         ``timeout`` is seconds or a timedelta; None means the kernel's default
         for this Work (the group timeout). Returns True, like torch's Work.
         """
+        if self._is_done and self._error is None:  # finished (the common case of a wait): no timed wait to make
+            return True
         limit = self.default_timeout if timeout is None else seconds(timeout)
         if not self._wait_native(limit):
             raise self._timed_out(limit, own_deadline=timeout is None)

@@ -20,31 +20,40 @@ STATES = ("scheduled", "started", "completed", "failed")
 #: Entries kept per group for the always-on mismatch check (the watchdog reads them every 0.2 s).
 HISTORY = 1024
 
+_new_entry = object.__new__
+_now = time.time
 
-class Entry:
-    """One recorded op. ``seq`` is the group's sequence number (-1 for point-to-point)."""
 
-    __slots__ = ("group", "seq", "op", "shapes", "dtypes", "reduce_op", "peer", "t_start", "t_end", "state", "error", "context",
-                 "splits", "_progress")
+class _RareFields:
+    """Defaults of the Entry fields that most ops never set (read from the class until one is set)."""
 
-    def __init__(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any, peer: int | None,
-                 splits: tuple[Sequence[int], Sequence[int]] | None = None, done: bool = False) -> None:
-        self.group, self.seq, self.op = group, seq, op
-        if len(tensors) == 1:  # the common case, without a comprehension's frame
-            tensor = tensors[0]
-            self.shapes: Sequence[torch.Size] = (tensor.shape,)  # torch.Size is an immutable tuple: no copy
-            self.dtypes: Sequence[torch.dtype] = (tensor.dtype,)
-        else:
-            self.shapes = [t.shape for t in tensors]
-            self.dtypes = [t.dtype for t in tensors]
-        self.reduce_op, self.peer = reduce_op, peer
-        self.t_start = now = time.time()
-        self.t_end: float | None = now if done else None
-        self.state = "completed" if done else "started"
-        self.error: str | None = None
-        self.context: str | None = None  # what the op is for, e.g. a pipeline action (spmd.comm.p2p.p2p_context)
-        self.splits = splits  # all_to_all_single's (input, output) split sizes: rows to and from each rank
-        self._progress: list[Any] | None = None  # the group's progress row, set by the recorder
+    peer: int | None = None
+    error: str | None = None
+    context: str | None = None  # what the op is for, e.g. a pipeline action (spmd.comm.p2p.p2p_context)
+    splits: tuple[Sequence[int], Sequence[int]] | None = None  # all_to_all_single's (input, output) split sizes
+
+
+class Entry(_RareFields):
+    """One recorded op. ``seq`` is the group's sequence number (-1 for point-to-point).
+
+    Made by ``FlightRecorder.start`` on the hot path of every op, so it sets
+    only what every op has; the rest (``_RareFields``) keeps the class default
+    until an op sets it. No ``__init__``: building one field by field in
+    ``start`` saves a Python frame per op.
+    """
+
+    __slots__ = ("group", "seq", "op", "shapes", "dtypes", "reduce_op", "t_start", "t_end", "state", "_progress")
+
+    group: str
+    seq: int
+    op: str
+    shapes: Sequence[torch.Size]
+    dtypes: Sequence[torch.dtype]
+    reduce_op: Any
+    t_start: float
+    t_end: float | None
+    state: str
+    _progress: list[Any] | None  # the group's progress row (None for point-to-point)
 
     def finish(self, error: BaseException | None) -> None:
         if self.state != "started":
@@ -100,8 +109,34 @@ class FlightRecorder:
 
     def start(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any = None, peer: int | None = None,
               splits: tuple[Sequence[int], Sequence[int]] | None = None, *, done: bool = False) -> Entry:
-        """Record an op that started (or, with ``done``, one that already completed without error)."""
-        entry = Entry(group, seq, op, tensors, reduce_op, peer, splits, done)
+        """Record an op that started (or, with ``done``, one that already completed without error).
+
+        The hot path of every op, in one frame: the Entry is built here and
+        only the fields this op has are stored.
+        """
+        entry = _new_entry(Entry)
+        entry.group, entry.seq, entry.op, entry.reduce_op = group, seq, op, reduce_op
+        count = len(tensors)
+        if count == 1:  # the common cases, without a comprehension's frame
+            tensor = tensors[0]
+            entry.shapes = (tensor.shape,)  # torch.Size is an immutable tuple: no copy
+            entry.dtypes = (tensor.dtype,)
+        elif count == 2:  # input and output
+            first, second = tensors
+            entry.shapes = (first.shape, second.shape)
+            entry.dtypes = (first.dtype, second.dtype)
+        else:
+            entry.shapes = [t.shape for t in tensors]
+            entry.dtypes = [t.dtype for t in tensors]
+        if peer is not None:
+            entry.peer = peer
+        if splits is not None:
+            entry.splits = splits
+        entry.t_start = now = _now()
+        if done:
+            entry.t_end, entry.state = now, "completed"
+        else:
+            entry.t_end, entry.state = None, "started"
         if self.enabled:
             self.entries.append(entry)
         if seq >= 0:
@@ -115,6 +150,8 @@ class FlightRecorder:
             if self.keep_history:
                 progress[5].append(entry)
             entry._progress = progress
+        else:
+            entry._progress = None
         return entry
 
     def history(self, group: str) -> list[Entry]:

@@ -1,4 +1,4 @@
-"""The frozen registry of backends that the plugins declared, and backend-string parsing."""
+"""The registry of backends that the plugins declared (rebuilt when the plugins change), and backend-string parsing."""
 
 from __future__ import annotations
 
@@ -6,9 +6,13 @@ import importlib.metadata
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from spmd.comm.backend import BackendSpec
 from spmd.errors import BackendNotFoundError, BackendUnavailableError, PluginConflictError
+
+if TYPE_CHECKING:
+    from spmd.plugins import HookTable
 
 
 @dataclass(frozen=True)
@@ -102,24 +106,26 @@ def build_registry() -> BackendRegistry:
     return BackendRegistry(entries, broken)
 
 
-_registry: BackendRegistry | None = None
+_table: HookTable[BackendRegistry] | None = None
 _lock = threading.Lock()
 
 
 def backends() -> BackendRegistry:
-    """The backend registry, built on first use."""
-    global _registry
-    if _registry is None:
+    """The backend registry: built on first use, and again after a plugin is registered at runtime
+    (``spmd.plugins.manager().register(plugin)``), as the other registries are."""
+    global _table
+    if _table is None:
+        from spmd.plugins import HookTable
+
         with _lock:
-            if _registry is None:
-                _registry = build_registry()
-    return _registry
+            if _table is None:
+                _table = HookTable(lambda pm: build_registry())
+    return _table.get()
 
 
 def reset() -> None:
-    global _registry
-    with _lock:
-        _registry = None
+    if _table is not None:
+        _table.reset()
 
 
 def parse_backend_string(backend: str | Mapping[str, str] | None) -> dict[str, str] | None:

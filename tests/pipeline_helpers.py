@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd
-from spmd.debug.recorder import recorder
+from spmd.debug.recorder import entry_of, recorder
 from spmd.pipeline import PipelineStage, get_schedule, split_module
 
 BATCH, WIDTH = 16, 6
@@ -63,7 +63,7 @@ def run_step(name: str, stages_per_rank: int, n_microbatches: int, group: Any = 
         kwargs.update(target=y, losses=losses)
     args = (kwargs.pop("x"),) if "x" in kwargs else ()
     out = schedule.step(*args, **kwargs)
-    contexts = sorted({e.context for e in recorder.entries if e.context is not None})
+    contexts = sorted({e.context for e in map(entry_of, recorder.entries) if e.context is not None})
     return {
         "grads": {s: [p.grad.tolist() for p in pieces[s].parameters()] for s in mine},
         "losses": [loss.item() for loss in losses],

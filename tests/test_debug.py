@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,11 @@ import torch
 
 import helpers
 import spmd
+from spmd.comm.backend import Backend, BackendSpec
+from spmd.comm.work import Work
 from spmd.debug import analyze
-from spmd.debug.recorder import FlightRecorder
+from spmd.debug.recorder import FlightRecorder, recorder
+from spmd.plugins import manager
 from spmd.testing.ports import free_port
 
 SCRIPT = Path(__file__).parent / "fault_scripts" / "fault.py"
@@ -150,6 +154,57 @@ def test_recorder_is_bounded_and_can_be_off():
     off = FlightRecorder(0)
     off.start("g", 0, "all_reduce", (torch.ones(1),))
     assert not off.entries and off.progress["g"][0] == 0
+
+
+def test_ops_that_succeeded_when_recorded_read_back_as_completed_entries():
+    """The ring keeps such ops as Records (tuples); every reader sees Entries, in order, with their fields."""
+    rec = FlightRecorder(10)
+    t, pair = torch.ones(2, 3), (torch.ones(4), torch.zeros(8, dtype=torch.float64))
+    rec.completed("g", 0, "all_reduce", (t,), spmd.ReduceOp.SUM)
+    rec.start("g", 1, "broadcast", (t,))  # still running: an Entry
+    rec.completed("g", 2, "all_gather_into_tensor", pair, None)
+    rec.completed("g", 3, "gather", (t, t, t), None)
+    snapshot = rec.snapshot()
+    assert [(e["seq"], e["op"], e["state"]) for e in snapshot] == [
+        (0, "all_reduce", "completed"), (1, "broadcast", "started"), (2, "all_gather_into_tensor", "completed"), (3, "gather", "completed")]
+    assert snapshot[0]["shapes"] == [[2, 3]] and snapshot[0]["reduce_op"] == "SUM" and snapshot[0]["t_end"] == snapshot[0]["t_start"]
+    assert snapshot[2]["shapes"] == [[4], [8]] and snapshot[2]["dtypes"] == ["float32", "float64"]
+    assert [e.seq for e in rec.history("g", after=1)] == [2, 3]
+    assert [e.signature() for e in rec.history("g")][0] == "all_reduce(float32; 2x3) SUM"
+    assert rec.progress["g"][:4] == [3, "gather", 3, "gather"]
+    assert rec.published_progress()["g"][4] == "gather(float32,float32,float32; 2x3,2x3,2x3)"
+
+
+class _FinishedAtOnce(Backend):
+    """A backend whose ops have succeeded when they return (``Work.completed()``): the kernel records them as Records."""
+
+    def isend(self, tensor, dst, tag=0):
+        return Work.completed()
+
+    def irecv(self, tensor, src, tag=0):
+        return Work.completed()
+
+    def broadcast(self, tensor, src):
+        return Work.completed()
+
+
+def test_ops_that_succeed_at_once_are_recorded_and_described(monkeypatch):
+    plugin = types.ModuleType("finished_at_once")
+    plugin.spmd_backends = spmd.hookimpl(lambda: [BackendSpec("at-once", ("cpu",), factory=_FinishedAtOnce, description="test")])
+    manager().register(plugin, name="finished-at-once")
+    monkeypatch.setenv("SPMD_WATCHDOG", "0")
+    spmd.init("at-once", rank=0, world_size=1, store=torch.distributed.HashStore(), torch_interop=False)
+    try:
+        t = torch.ones(2)
+        spmd.broadcast(t, src=0)
+        work = spmd.broadcast(t, src=0, async_op=True)
+        assert work.wait() and work.is_completed() and work.result() == [t]
+        assert work.description == "broadcast on group 'world' (seq 1, ranks [0])", work.description
+        entries = [e for e in recorder.snapshot() if e["group"] == "world"][-2:]
+        assert [(e["seq"], e["op"], e["state"]) for e in entries] == [(0, "broadcast", "completed"), (1, "broadcast", "completed")]
+    finally:
+        spmd.destroy_process_group()
+        manager().unregister(name="finished-at-once")
 
 
 def test_stopping_the_watchdog_waits_for_the_store_call_in_flight():

@@ -47,12 +47,12 @@ from spmd.comm.work import Timeout, Work
 def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: ProcessGroup | None = None, async_op: bool = False, *, timeout: Timeout = None) -> Work | None:
     """Reduce ``tensor`` across every rank of ``group``, in place, so all ranks hold the result."""
     try:
-        g, backend = route(group, tensor, "tensor", "all_reduce", op, timeout=timeout)
+        g, backend = route(group, tensor, "tensor", "all_reduce", op, timeout)
         call = begin_sized(g, "all_reduce", (tensor,), op, None, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         if tensor.is_contiguous() and (op is not AVG or backend.supports_avg and tensor.dtype not in PREDIVIDED):
-            return complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op, timeout=timeout, result=tensor)  # nothing to stage
+            return complete(backend.all_reduce(tensor, op), g, "all_reduce", call, async_op, None, timeout, tensor)  # nothing to stage
         native = native_op(backend, op, tensor.dtype)
         before = predivided(op, native, tensor.dtype)
         staged = Contiguous(tensor)
@@ -79,7 +79,7 @@ def reduce(
 ) -> Work | None:
     """Reduce ``tensor`` of every rank into ``dst``'s; other ranks' tensors are unchanged."""
     try:
-        g, backend = route(group, tensor, "tensor", "reduce", op, timeout=timeout)
+        g, backend = route(group, tensor, "tensor", "reduce", op, timeout)
         root = resolve_root(g, dst, group_dst, "dst", "reduce")
         call = begin_sized(g, "reduce", (tensor,), op, root, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
@@ -109,7 +109,7 @@ def reduce_scatter_tensor(
 ) -> Work | None:
     """Reduce ``input`` (group size blocks along dim 0, or flat) and give rank r block r in ``output``."""
     try:
-        g, backend = route(group, input, "input", "reduce_scatter_tensor", op, timeout=timeout)
+        g, backend = route(group, input, "input", "reduce_scatter_tensor", op, timeout)
         check_output(output, input, "output", "reduce_scatter_tensor")
         if input.numel() != output.numel() * g.size:
             raise blocks_error("reduce_scatter_tensor", ("input", input), ("output", output), g.size,
@@ -120,7 +120,7 @@ def reduce_scatter_tensor(
         native = native_op(backend, op, input.dtype)
         aliased = overlaps(input, output)
         if native is op and input.is_contiguous() and output.is_contiguous() and not aliased:
-            return complete(backend.reduce_scatter_tensor(output, input, op), g, "reduce_scatter_tensor", call, async_op, timeout=timeout, result=output)
+            return complete(backend.reduce_scatter_tensor(output, input, op), g, "reduce_scatter_tensor", call, async_op, None, timeout, output)
         before = predivided(op, native, input.dtype)
         staged_in = Contiguous(input, force=aliased or before)  # (the input stays as the caller gave it)
         if before:
@@ -173,13 +173,13 @@ def broadcast(
 ) -> Work | None:
     """Copy ``src``'s ``tensor`` into every rank's ``tensor``."""
     try:
-        g, backend = route(group, tensor, "tensor", "broadcast", timeout=timeout)
+        g, backend = route(group, tensor, "tensor", "broadcast", None, timeout)
         root = resolve_root(g, src, group_src, "src", "broadcast")
         call = begin_sized(g, "broadcast", (tensor,), None, root, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         if tensor.is_contiguous():
-            return complete(backend.broadcast(tensor, root), g, "broadcast", call, async_op, timeout=timeout, result=tensor)
+            return complete(backend.broadcast(tensor, root), g, "broadcast", call, async_op, None, timeout, tensor)
         staged = Contiguous(tensor, copy_in=g.rank == root)
         work = backend.broadcast(staged.tensor, root)
         return complete(work, g, "broadcast", call, async_op, sequence(*staging_steps(staged, write_back=(staged,))), timeout=timeout, result=tensor)
@@ -198,7 +198,7 @@ def all_gather_into_tensor(
 ) -> Work | None:
     """Gather every rank's ``input_tensor`` into ``output_tensor`` (rank r's in block r)."""
     try:
-        g, backend = route(group, input_tensor, "input_tensor", "all_gather_into_tensor", timeout=timeout)
+        g, backend = route(group, input_tensor, "input_tensor", "all_gather_into_tensor", None, timeout)
         check_output(output_tensor, input_tensor, "output_tensor", "all_gather_into_tensor")
         if output_tensor.numel() != input_tensor.numel() * g.size:
             raise blocks_error("all_gather_into_tensor", ("output", output_tensor), ("input", input_tensor), g.size,
@@ -208,7 +208,7 @@ def all_gather_into_tensor(
             return call
         aliased = overlaps(input_tensor, output_tensor)  # torch's in-place form: input = output[own block]
         if input_tensor.is_contiguous() and output_tensor.is_contiguous() and not aliased:
-            return complete(backend.all_gather_into_tensor(output_tensor, input_tensor), g, "all_gather_into_tensor", call, async_op, timeout=timeout, result=output_tensor)
+            return complete(backend.all_gather_into_tensor(output_tensor, input_tensor), g, "all_gather_into_tensor", call, async_op, None, timeout, output_tensor)
         staged_in = Contiguous(input_tensor, force=aliased)
         staged_out = Contiguous(output_tensor, copy_in=False)
         work = backend.all_gather_into_tensor(staged_out.tensor, staged_in.tensor)
@@ -283,7 +283,7 @@ def all_to_all_single(
 ) -> Work | None:
     """Rows of ``input`` go to each rank by ``input_split_sizes``; ``output`` collects by ``output_split_sizes``."""
     try:
-        g, backend = route(group, input, "input", "all_to_all_single", timeout=timeout)
+        g, backend = route(group, input, "input", "all_to_all_single", None, timeout)
         check_output(output, input, "output", "all_to_all_single")
         in_rows = input.shape[0] if input.dim() else input.numel()
         out_rows = output.shape[0] if output.dim() else output.numel()
@@ -300,7 +300,7 @@ def all_to_all_single(
             return call
         aliased = overlaps(input, output)  # all_to_all_single(t, t), or an output shifted over its input
         if input.is_contiguous() and output.is_contiguous() and not aliased:
-            return complete(backend.all_to_all_single(output, input, out_sizes, in_sizes), g, "all_to_all_single", call, async_op, timeout=timeout, result=output)
+            return complete(backend.all_to_all_single(output, input, out_sizes, in_sizes), g, "all_to_all_single", call, async_op, None, timeout, output)
         staged_in = Contiguous(input, force=aliased)
         staged_out = Contiguous(output, copy_in=False)
         work = backend.all_to_all_single(staged_out.tensor, staged_in.tensor, out_sizes, in_sizes)

@@ -164,9 +164,23 @@ def complete(
             _wait_here(work, group, op, call, after, timeout)
             return None
         work = NativeWorkAdapter(work)  # (Work.from_native also checks the methods: not on the hot path)
-    # A Work that already succeeded (Work.completed(), a fast worker thread) is recorded as completed
-    # in one step; a synchronous one then needs nothing more.
     succeeded = work._is_done and work._error is None
+    if succeeded and type(call) is tuple and len(call) == 3 and (after is None or not async_op):
+        # Already succeeded (Work.completed(), a fast worker thread): recorded as completed in one
+        # Record (see spmd.debug.recorder), and a synchronous op needs nothing more.
+        seq = group.seq  # group.next_seq(), inline: this runs once per op
+        group.seq = seq + 1
+        record = recorder.completed(group.name, seq, call[0], call[1], call[2])
+        if not async_op:
+            if after is not None:
+                after()
+            return None
+        work.default_timeout = group.timeout_s if timeout is None else seconds(timeout)
+        work._entry, work._group = record, group
+        if result is not None and work._value is None:
+            work._value = [result]
+        return work
+    # Otherwise an Entry: the Work finishes it (one that already succeeded is recorded as completed).
     entry = _record(group, call, done=succeeded)
     if succeeded and not async_op and after is None and entry is not call:
         return None

@@ -87,8 +87,11 @@ class Work:
         """What this Work is, for error messages ("all_reduce on group 'world' (seq 12, ...)")."""
         if self._describe is not None:
             return self._describe()
-        if self._group is not None and self._entry is not None:
-            return self._group.describe(self._entry.op, self._entry.seq)
+        entry = self._entry
+        if self._group is not None and entry is not None:
+            if type(entry) is tuple:  # a Record (spmd.debug.recorder): an op that had succeeded when recorded
+                return self._group.describe(entry[2], entry[1])
+            return self._group.describe(entry.op, entry.seq)
         return self._description
 
     @description.setter

@@ -63,7 +63,7 @@ class HistoryCheck:
         """This rank's newest calls on ``group``, updated and published; None if it made none yet."""
         calls = self.calls.get(group.uid)
         last = calls[-1][0] if calls else -1
-        new = [(e.seq, call_signature(e)) for e in recorder.history(group.name) if e.seq > last]
+        new = [(e.seq, call_signature(e)) for e in recorder.history(group.name, after=last)]
         if calls is None:
             if not new:
                 return None

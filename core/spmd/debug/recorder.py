@@ -1,8 +1,12 @@
 """The flight recorder: a bounded ring buffer of every op that passes through the kernel.
 
-Recording is an object allocation and a deque append (about a microsecond);
-nothing touches the network on the hot path. Progress per group (last started
-and last completed sequence number) is kept alongside for the watchdog.
+An op that had already succeeded when the kernel recorded it (every
+synchronous op on a backend that finished it, the common case) is kept as a
+plain tuple, a ``Record``, and turned into an ``Entry`` only when someone reads
+it: building the tuple costs a third of building the Entry. Ops still running
+get an Entry, which their Work finishes. Nothing touches the network on the hot
+path. Progress per group (last started and last completed sequence number) is
+kept alongside for the watchdog.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ HISTORY = 1024
 
 _new_entry = object.__new__
 _now = time.time
+
+#: A completed op as the ring keeps it: (group, seq, op, shapes, dtypes, reduce_op, time). See ``entry_of``.
+Record = tuple[str, int, str, Sequence[torch.Size], Sequence[torch.dtype], Any, float]
 
 
 class _RareFields:
@@ -90,16 +97,34 @@ class Entry(_RareFields):
             "context": self.context,
         }
 
+    @classmethod
+    def from_record(cls, record: Record) -> Entry:
+        """The Entry of an op recorded as a ``Record`` (completed at its start time)."""
+        entry = _new_entry(cls)
+        entry.group, entry.seq, entry.op, entry.shapes, entry.dtypes, entry.reduce_op, entry.t_start = record
+        entry.t_end, entry.state, entry._progress = record[6], "completed", None
+        return entry
+
+
+def entry_of(item: Entry | Record) -> Entry:
+    """The Entry of a ring or history item (an Entry, or a completed op's ``Record``)."""
+    return Entry.from_record(item) if isinstance(item, tuple) else item
+
+
+def seq_of(item: Entry | Record) -> int:
+    """The sequence number of a ring or history item, without building its Entry."""
+    return item[1] if isinstance(item, tuple) else item.seq
+
 
 class FlightRecorder:
     """The per-process ring buffer and per-group progress."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.entries: collections.deque[Entry] = collections.deque(maxlen=max(capacity, 1))
+        self.entries: collections.deque[Entry | Record] = collections.deque(maxlen=max(capacity, 1))
         self.enabled = capacity > 0
-        # group -> [last started seq, its op, last completed seq, its op, the last started Entry,
-        #           the group's last HISTORY Entries (for the always-on mismatch check, spmd.debug.history)]
+        # group -> [last started seq, its op, last completed seq, its op, the last started Entry or Record,
+        #           the group's last HISTORY Entries and Records (for the always-on mismatch check, spmd.debug.history)]
         self.progress: dict[str, list[Any]] = {}
         #: Whether each group's recent Entries are kept for the mismatch check (``SPMD_HISTORY_CHECK``).
         self.keep_history = os.environ.get("SPMD_HISTORY_CHECK", "1") not in ("", "0", "false")
@@ -154,14 +179,42 @@ class FlightRecorder:
             entry._progress = None
         return entry
 
-    def history(self, group: str) -> list[Entry]:
-        """The group's most recent Entries (at most HISTORY), oldest first."""
+    def completed(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any) -> Record:
+        """Record a collective that already succeeded, as a ``Record``: ``start(..., done=True)`` for
+        the hot path of every synchronous op, at a third of its cost (no Entry, no peer or splits)."""
+        record: Record
+        if len(tensors) == 1:
+            tensor = tensors[0]
+            record = (group, seq, op, (tensor.shape,), (tensor.dtype,), reduce_op, _now())
+        elif len(tensors) == 2:
+            first, second = tensors
+            record = (group, seq, op, (first.shape, second.shape), (first.dtype, second.dtype), reduce_op, _now())
+        else:
+            record = (group, seq, op, [t.shape for t in tensors], [t.dtype for t in tensors], reduce_op, _now())
+        if self.enabled:
+            self.entries.append(record)
+        progress = self.progress.get(group)
+        if progress is None:
+            self.progress[group] = progress = [seq, op, seq, op, record, collections.deque(maxlen=HISTORY)]
+        else:
+            progress[0], progress[1], progress[4] = seq, op, record
+            if seq > progress[2]:
+                progress[2], progress[3] = seq, op
+        if self.keep_history:
+            progress[5].append(record)
+        return record
+
+    def history(self, group: str, after: int = -1) -> list[Entry]:
+        """The group's most recent Entries (at most HISTORY) whose sequence number is above ``after``, oldest first."""
         row = self.progress.get(group)
-        return list(row[5]) if row is not None else []  # (one C-level copy: safe beside the appending thread)
+        if row is None:
+            return []
+        items = list(row[5])  # (one C-level copy: safe beside the appending thread)
+        return [entry_of(item) for item in items if seq_of(item) > after]
 
     def published_progress(self, signature: Callable[[Entry], str] = Entry.signature) -> dict[str, list[Any]]:
         """``progress`` for the store: the last started Entry replaced by its ``signature``."""
-        return {group: [*row[:4], signature(row[4])] for group, row in list(self.progress.items())}
+        return {group: [*row[:4], signature(entry_of(row[4]))] for group, row in list(self.progress.items())}
 
     def watch(self, entry: Entry, work: Any, limit: float | None = None) -> None:
         """Remember an async op and its deadline (``limit`` seconds from now; None: none) for the watchdog."""
@@ -196,7 +249,7 @@ class FlightRecorder:
         return [work for _, work, _, _ in mine if not work.is_completed()]
 
     def snapshot(self) -> list[dict[str, Any]]:
-        return [e.to_dict() for e in list(self.entries)]
+        return [entry_of(e).to_dict() for e in list(self.entries)]
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity

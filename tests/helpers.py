@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -145,6 +146,32 @@ def subgroup_ranks() -> tuple[int, list[int], int]:
     members = spmd.get_process_group_ranks(split)
     local = -1 if group is spmd.GroupMember.NON_GROUP_MEMBER else spmd.get_rank(group)
     return local, members, spmd.get_global_rank(split, 0)
+
+
+def groups_named_alike() -> dict[str, Any]:
+    """Names a group's ranks must agree on (4 ranks, group timeout 20 s): two overlapping new_groups with
+    one group_desc, a split_group of a subgroup with a group_desc for both colours, then a new_group."""
+    rank = spmd.get_rank()
+    out: dict[str, Any] = {}
+    first = spmd.new_group([0, 1], group_desc="tp", timeout=20)
+    second = spmd.new_group([1, 2], group_desc="tp", timeout=20)
+    for key, group in (("first", first), ("second", second)):
+        if group is not spmd.GroupMember.NON_GROUP_MEMBER:
+            t = torch.tensor([float(rank + 1)])
+            spmd.all_reduce(t, group=group)
+            out[key] = (group.name, t.item())
+    upper = spmd.new_group([1, 2, 3], timeout=20)
+    if upper is not spmd.GroupMember.NON_GROUP_MEMBER:
+        halves = spmd.split_group(upper, color=0 if rank < 3 else 1, group_desc="half", timeout=20)
+        t = torch.tensor([float(rank + 1)])
+        spmd.all_reduce(t, group=halves)
+        out["half"] = (halves.name, t.item())
+    last = spmd.new_group([0, 3], timeout=20)
+    if last is not spmd.GroupMember.NON_GROUP_MEMBER:
+        t = torch.tensor([float(rank + 1)])
+        spmd.all_reduce(t, group=last)
+        out["last"] = (last.name, t.item())
+    return out
 
 
 def async_overlap() -> list[float]:

@@ -89,6 +89,18 @@ def test_new_group_and_split_group_ranks(spmd_world):
     assert [r[2] for r in results] == [0, 0, 2, 2]
 
 
+def test_groups_get_one_name_on_all_their_ranks(spmd_world):
+    """A group_desc reused by overlapping groups, or split_group's colours, once named a group differently
+    on different ranks (or two groups alike): their ranks never met and waited out the timeout."""
+    results = spmd_world(4, "gloo").run(helpers.groups_named_alike)
+    assert results[0]["first"] == results[1]["first"] and results[0]["first"][1] == 1 + 2
+    assert results[1]["second"] == results[2]["second"] and results[1]["second"][1] == 2 + 3
+    assert results[0]["first"][0] != results[1]["second"][0]
+    assert results[1]["half"] == results[2]["half"] and results[1]["half"][1] == 2 + 3
+    assert results[3]["half"][1] == 4 and results[3]["half"][0] != results[1]["half"][0]
+    assert results[0]["last"] == results[3]["last"] and results[0]["last"][1] == 1 + 4
+
+
 def test_many_async_ops_in_flight(spmd_world):
     for values in spmd_world(2, "gloo").run(helpers.async_overlap):
         assert values == [1.0 + 2 * k for k in range(5)]

@@ -341,9 +341,7 @@ def new_group(
         name = name if count == 1 else f"{name}#{count}"
     else:
         current.groups_created += 1
-        name = group_desc or f"group{current.groups_created}"
-        if name in current.groups:
-            name = f"{name}.{current.groups_created}"
+        name = agreed_name(current, "", group_desc or f"group{current.groups_created}", current.groups_created)
         if world.rank not in members:
             return state.NON_GROUP_MEMBER
     backend_map = parse_backend_string(backend) if backend is not None else world.backend_map
@@ -381,6 +379,7 @@ def split_group(
     MPI_Comm_split's form: ``color=`` puts the ranks of one colour in one group,
     ordered by ``key`` (ties by parent rank); a negative colour gets
     NON_GROUP_MEMBER. ``backend`` keeps a subset of the parent's backends.
+    Each new group is named ``<group_desc or parent.splitN>.c<colour>``, the same on all its ranks.
     """
     from spmd.comm.objects import all_gather_object
 
@@ -399,13 +398,14 @@ def split_group(
     gathered: list[Any] = [None] * parent.size
     all_gather_object(gathered, (my_color, my_key), group=parent)
     current = state.get_state()
-    current.groups_created += 1
+    serial = current.splits_created[parent.uid] = current.splits_created.get(parent.uid, 0) + 1  # (the parent's ranks only)
+    name = agreed_name(current, parent.uid, group_desc or f"{parent.name}.split{serial}", serial)
     if my_color < 0:
         return None if split_ranks is not None else state.NON_GROUP_MEMBER
     members = sorted((k, i) for i, (c, k) in enumerate(gathered) if c == my_color)
-    name = group_desc or f"{parent.name}.split{current.groups_created}.c{my_color}"
+    name = f"{name}.c{my_color}"
     if name in current.groups:
-        name = f"{name}.{current.groups_created}"
+        raise ValueError(f"split_group: this rank already has a group named {name!r}; pass another group_desc")
     new = ProcessGroup(
         name,
         [parent.ranks[i] for _, i in members],
@@ -418,6 +418,19 @@ def split_group(
     )
     current.groups[name] = new
     return new
+
+
+def agreed_name(current: state.WorldState, scope: str, name: str, serial: int) -> str:
+    """A new group's name, the same on every rank that makes the call: ``name``, or ``name.<serial>``
+    when an earlier group of ``scope`` (new_group's: the world; split_group's: its parent) took it.
+
+    The names taken are counted on every rank that makes the call, member or
+    not: a rank's own groups differ by membership, so checking them would name
+    one group differently on different ranks, and their store keys would never meet.
+    """
+    key = (scope, name)
+    uses = current.names_used[key] = current.names_used.get(key, 0) + 1
+    return name if uses == 1 and name != current.world.name else f"{name}.{serial}"
 
 
 def _color_of(parent: ProcessGroup, split_ranks: Sequence[Sequence[int]]) -> int:

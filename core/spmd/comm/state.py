@@ -15,9 +15,14 @@ class WorldState:
     world: ProcessGroup
     store: tdist.Store
     groups: dict[str, ProcessGroup] = field(default_factory=dict)
+    #: new_group calls so far (every rank makes each one, member or not, so all agree on it).
     groups_created: int = 0
     #: new_group(use_local_synchronization=True) counts per member set: only members call it.
     local_groups_created: dict[tuple[int, ...], int] = field(default_factory=dict)
+    #: split_group calls so far per parent group uid (every rank of the parent makes each one).
+    splits_created: dict[str, int] = field(default_factory=dict)
+    #: (scope, name) -> groups given that name so far, counted on every rank that made the call (see init.agreed_name).
+    names_used: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 _state: WorldState | None = None

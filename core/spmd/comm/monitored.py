@@ -3,7 +3,10 @@
 It meets over the group's store, not the backend: a barrier made of
 point-to-point messages would share the user's tag space and could hand its
 token to a receive the program posted (or take the program's message), and on
-Gloo a timed-out receive closes the group's connections.
+Gloo a timed-out receive closes the group's connections. It does create the
+group's CPU backend if none exists yet (under its timeout, naming a rank that
+never comes), as torch's, which runs on Gloo: ranks that made a point-to-point
+op their first on the group are waiting for every member to create it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def monitored_barrier(group: Any = None, timeout: timedelta | float | None = Non
     assert limit is not None
     if g.unusable is not None:
         raise g.refusal()
+    if g.backend_map is None or "cpu" in g.backend_map:
+        g.backend("cpu", "monitored_barrier", limit)
     call = g.monitored_barriers
     g.monitored_barriers = call + 1
     prefix = f"monitored_barrier/{call}/"

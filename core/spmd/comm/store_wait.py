@@ -12,20 +12,26 @@ second per waiting rank.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 #: Bounds of the longest pause between two checks, in seconds.
 MIN_PAUSE_CAP_S, MAX_PAUSE_S = 0.005, 1.0
 
 
-def missing_keys(store: Any, keys: Sequence[str], limit_s: float) -> list[int]:
-    """Wait up to ``limit_s`` for every key of ``keys``; the indices of those still unset then ([] once all are)."""
+def missing_keys(store: Any, keys: Sequence[str], limit_s: float, check: Callable[[], None] | None = None) -> list[int]:
+    """Wait up to ``limit_s`` for every key of ``keys``; the indices of those still unset then ([] once all are).
+
+    ``check`` runs between two polls and ends the wait by raising (say, once
+    the watchdog found the group's ranks out of step: waiting on is futile).
+    """
     start = time.monotonic()
     deadline = start + limit_s
     pause = 0.0001
     wanted = list(keys)
     while not store.check(wanted):
+        if check is not None:
+            check()
         now = time.monotonic()
         left = deadline - now
         if left <= 0:

@@ -110,7 +110,12 @@ def check(
     mine = call_signature(entry, root)  # (with the entry's splits, for all_to_all_single)
     store.set(prefix + str(group.rank), mine)
     keys = [prefix + str(r) for r in range(group.size)]
-    missing = [group.ranks[r] for r in missing_keys(store, keys, limit)]
+    def out_of_step() -> None:  # the always-on check may find a mismatch while this rank waits
+        if group.unusable is not None:
+            raise CollectiveDesyncError(f"{entry.op} on group {group.name!r} seq {entry.seq}: stopped waiting for the "
+                                        f"other ranks' calls, because {group.unusable}")
+
+    missing = [group.ranks[r] for r in missing_keys(store, keys, limit, out_of_step)]
     if missing:
         raise CollectiveTimeoutError(
             f"desync check: {entry.op} on group {group.name!r} seq {entry.seq}: ranks {missing} never made "

@@ -83,3 +83,16 @@ def test_torch_destroy_ends_a_world_torch_started_so_the_next_init_is_new():
     )
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPMD_WATCHDOG": "0"}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stdout + out.stderr
+
+
+def test_a_world_torch_started_without_a_timeout_takes_spmds_default():
+    """init_process_group("spmd") with no timeout: the world waits SPMD_TIMEOUT (else spmd's 10 minutes),
+    not the 30 minutes torch fills in for a backend it does not know."""
+    code = (
+        "import torch.distributed as tdist; from spmd.comm import state\n"
+        "tdist.init_process_group('spmd', store=tdist.HashStore(), rank=0, world_size=1)\n"
+        "print(state.get_state().world.timeout_s); tdist.destroy_process_group()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPMD_WATCHDOG": "0", "SPMD_TIMEOUT": "42"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "42.0", out.stdout + out.stderr

@@ -92,6 +92,8 @@ def _create(options: Any, pg_options: Any) -> SpmdProcessGroup:
         from spmd.comm.init import init_process_group
 
         backend = pg_options if isinstance(pg_options, (str, dict)) else None
+        if timeout == c10d.default_pg_timeout:  # torch's default, not the caller's: spmd's (SPMD_TIMEOUT, else 10 min)
+            timeout = None
         init_process_group(backend, store=options.store, rank=rank, world_size=size, timeout=timeout, torch_interop=False)
         _torch_started = True
         return SpmdProcessGroup(state.get_state().world)

@@ -27,6 +27,7 @@ from spmd.testing.conformance.data import (
     check_reduced,
     expected_reduce,
     make_input,
+    rounding_bound,
     same_bytes,
     strided,
     valid_ops,
@@ -109,7 +110,7 @@ def check_all_reduce(g: ProcessGroup, rec: Recorder) -> None:
         def body(async_op: bool, inputs: list[torch.Tensor] = inputs, op: ReduceOp = op, noncontig: bool = noncontig, key: str = key) -> None:
             t = rec.strided(inputs[g.rank]) if noncontig else rec.put(inputs[g.rank])
             _done(spmd.all_reduce(t, op, group=g, async_op=async_op))
-            check_reduced(t, expected_reduce(inputs, op), key)
+            check_reduced(t, expected_reduce(inputs, op), key, rounding_bound(inputs, op))
 
         rec.case(key, body)
     _check_storage_dtype_reductions(g, rec)
@@ -178,7 +179,7 @@ def check_reduce(g: ProcessGroup, rec: Recorder) -> None:
                     t = rec.strided(inputs[g.rank]) if noncontig else rec.put(inputs[g.rank])
                     _done(spmd.reduce(t, group_dst=root, op=op, group=g, async_op=async_op))
                     if g.rank == root:
-                        check_reduced(t, expected_reduce(inputs, op), key)
+                        check_reduced(t, expected_reduce(inputs, op), key, rounding_bound(inputs, op))
                     else:  # the contract: only the root's tensor changes
                         _expect_bytes(t, inputs[g.rank], f"{key}: a non-root rank's tensor after reduce")
 
@@ -198,7 +199,7 @@ def check_reduce_scatter_tensor(g: ProcessGroup, rec: Recorder) -> None:
                     out = rec.zeros((rows, 3), inputs[0].dtype)
                     _done(spmd.reduce_scatter_tensor(out, rec.put(inputs[g.rank]), op, group=g, async_op=async_op))
                     full = expected_reduce(inputs, op).reshape(n, rows, 3)
-                    check_reduced(out, full[g.rank], key)
+                    check_reduced(out, full[g.rank], key, rounding_bound(inputs, op))
 
                 rec.case(key, body)
     for dtype in (d for d in LARGE_DTYPES if rec.reduces(d, ReduceOp.SUM)):
@@ -223,7 +224,7 @@ def check_reduce_scatter(g: ProcessGroup, rec: Recorder) -> None:
             def body(async_op: bool, inputs=inputs, op=op, key=key, dtype=dtype) -> None:  # type: ignore[no-untyped-def]
                 out = rec.zeros((2, 3), dtype)
                 _done(spmd.reduce_scatter(out, [rec.put(x) for x in inputs[g.rank]], op, group=g, async_op=async_op))
-                check_reduced(out, expected_reduce([inputs[i][g.rank] for i in range(n)], op), key)
+                check_reduced(out, expected_reduce([inputs[i][g.rank] for i in range(n)], op), key, rounding_bound([inputs[i][g.rank] for i in range(n)], op))
 
             rec.case(key, body)
 

@@ -19,7 +19,7 @@ from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import NativeWork, NativeWorkAdapter, Timeout, Work, seconds
 from spmd.debug import desync
 from spmd.debug.recorder import Entry, recorder
-from spmd.errors import CollectiveDesyncError, CollectiveTimeoutError
+from spmd.errors import CollectiveDesyncError, CollectiveError, CollectiveTimeoutError
 
 #: What ``begin`` hands ``complete``: the recorded entry, or the op, tensors and reduce op to record
 #: (all_to_all_single adds no peer and its splits: ``recorder.start``'s further arguments).
@@ -123,6 +123,9 @@ def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, split
             raise timed_out from None
         pending._finish(None, timed_out)
         return pending
+    except CollectiveError as error:  # the group was given up while this rank waited (see desync.check)
+        entry.finish(error)
+        raise
     return None
 
 

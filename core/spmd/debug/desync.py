@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from spmd.debug.recorder import Entry
-from spmd.errors import CollectiveDesyncError, CollectiveTimeoutError
+from spmd.errors import CollectiveDesyncError, CollectiveError, CollectiveTimeoutError
 
 #: Ops whose ranks may legitimately pass different shapes: only op and dtype must agree (and for
 #: all_to_all_single the shape of a row: its rows travel between ranks, their number may differ).
@@ -110,10 +110,10 @@ def check(
     mine = call_signature(entry, root)  # (with the entry's splits, for all_to_all_single)
     store.set(prefix + str(group.rank), mine)
     keys = [prefix + str(r) for r in range(group.size)]
-    def out_of_step() -> None:  # the always-on check may find a mismatch while this rank waits
+    def out_of_step() -> None:  # while this rank waits, the always-on check or a peer's failed call may give the group up
         if group.unusable is not None:
-            raise CollectiveDesyncError(f"{entry.op} on group {group.name!r} seq {entry.seq}: stopped waiting for the "
-                                        f"other ranks' calls, because {group.unusable}")
+            raise CollectiveError(f"{entry.op} on group {group.name!r} seq {entry.seq}: stopped waiting for the other ranks' "
+                                  f"calls: the group cannot be used: {group.unusable}")
 
     missing = [group.ranks[r] for r in missing_keys(store, keys, limit, out_of_step)]
     if missing:

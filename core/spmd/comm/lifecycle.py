@@ -103,7 +103,9 @@ def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, split
     is then unusable, as after any mismatch. A rank that never makes the call ends the wait as the
     op's own timeout would, with the same diagnosis (the op, its group and
     sequence number, the ranks that never arrived), and leaves the group
-    unusable: raised, or for an async op returned as the failed Work.
+    unusable: raised, or for an async op returned as the failed Work. A group
+    given up while this rank waits (a peer's call raised, the always-on check
+    found its ranks out of step) ends the wait at once, with that reason.
     """
     limit = group.timeout_s if timeout is None else seconds(timeout)
     try:
@@ -124,8 +126,12 @@ def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, split
         pending._finish(None, timed_out)
         return pending
     except CollectiveError as error:  # the group was given up while this rank waited (see desync.check)
-        entry.finish(error)
-        raise
+        failed = Work()
+        failed.default_timeout, failed._entry, failed._group = limit, entry, group
+        failed._finish(None, error)
+        if not async_op:
+            raise failed._explain(error) from None  # (with the diagnosis and the dumps, as any failed op's)
+        return failed
     return None
 
 

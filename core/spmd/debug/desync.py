@@ -112,8 +112,8 @@ def check(
     keys = [prefix + str(r) for r in range(group.size)]
     def out_of_step() -> None:  # while this rank waits, the always-on check or a peer's failed call may give the group up
         if group.unusable is not None:
-            raise CollectiveError(f"{entry.op} on group {group.name!r} seq {entry.seq}: stopped waiting for the other ranks' "
-                                  f"calls: the group cannot be used: {group.unusable}")
+            raise CollectiveError(f"{group.describe(entry.op, entry.seq)}: stopped waiting for the other ranks' calls: "
+                                  f"the group cannot be used: {group.unusable}")
 
     missing = [group.ranks[r] for r in missing_keys(store, keys, limit, out_of_step)]
     if missing:

@@ -174,6 +174,16 @@ def groups_named_alike() -> dict[str, Any]:
     return out
 
 
+def local_groups_with_one_desc() -> tuple[str, float]:
+    """Ranks 0,1 and ranks 2,3 each create a group apart (use_local_synchronization) with the same
+    group_desc, as spmd.checkpoint does for each group it saves over, and all_reduce on it."""
+    rank = spmd.get_rank()
+    group = spmd.new_group([0, 1] if rank < 2 else [2, 3], use_local_synchronization=True, group_desc="ckpt", timeout=20)
+    t = torch.tensor([float(rank + 1)])
+    spmd.all_reduce(t, group=group)
+    return group.name, t.item()
+
+
 def async_overlap() -> list[float]:
     """Several async all_reduces in flight at once, waited out of order."""
     tensors = [torch.full((1000,), float(spmd.get_rank() + k)) for k in range(5)]

@@ -101,6 +101,13 @@ def test_groups_get_one_name_on_all_their_ranks(spmd_world):
     assert results[0]["last"] == results[3]["last"] and results[0]["last"][1] == 1 + 4
 
 
+def test_local_groups_of_other_ranks_never_share_a_name(spmd_world):
+    """Two groups made apart with one group_desc had one name, so one store prefix: their ranks' keys mixed."""
+    results = spmd_world(4, "gloo").run(helpers.local_groups_with_one_desc)
+    assert [value for _, value in results] == [3.0, 3.0, 7.0, 7.0]
+    assert results[0][0] == results[1][0] != results[2][0] == results[3][0]
+
+
 def test_many_async_ops_in_flight(spmd_world):
     for values in spmd_world(2, "gloo").run(helpers.async_overlap):
         assert values == [1.0 + 2 * k for k in range(5)]

@@ -112,7 +112,7 @@ class DeviceMesh:
                 ranks,
                 backend=self._backends[index],
                 use_local_synchronization=True,
-                group_desc=f"mesh.{label}[{','.join(map(str, ranks))}]",
+                group_desc=f"mesh.{label}",  # (new_group adds the ranks: mesh.dp[0,2])
                 sort_ranks=False,
             )
             self._groups[index] = group

@@ -337,7 +337,8 @@ def new_group(
             return state.NON_GROUP_MEMBER  # non-members need not call at all
         count = current.local_groups_created.get(tuple(members), 0) + 1
         current.local_groups_created[tuple(members)] = count
-        name = group_desc or f"local[{','.join(map(str, members))}]"
+        # the members in the name: groups of other member sets, created apart, never share a name (or store keys)
+        name = f"{group_desc or 'local'}[{','.join(map(str, members))}]"
         name = name if count == 1 else f"{name}#{count}"
     else:
         current.groups_created += 1

@@ -337,3 +337,19 @@ def test_a_failed_workers_helper_processes_are_stopped_with_the_job(tmp_path):
     assert out.returncode == 3, out.stderr
     helpers = [int((tmp_path / f"helper{r}").read_text()) for r in (0, 1)]
     _wait_for(lambda: not any(_alive(p) for p in helpers), 10, "both ranks' helpers to be stopped")
+
+
+def test_tee_prefixes_each_line_once():
+    """torch.distributed's excepthook already writes ``[rank0]: `` before each traceback line of a torch-started
+    world; the agent's --tee prefix is not added again (it printed ``[rank0]: [rank0]: ``)."""
+    import io
+
+    from spmd.launch.workers import _Sink
+
+    console = io.BytesIO()
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as w:
+        w.write(b"[rank0]: Traceback (most recent call last):\nplain line\n")
+    with os.fdopen(read, "rb") as r:
+        _Sink(console, b"[rank0]: ", None, None).pump(r)
+    assert console.getvalue() == b"[rank0]: Traceback (most recent call last):\n[rank0]: plain line\n"

@@ -163,7 +163,8 @@ class _Sink:
             if self.console is not None:
                 try:
                     with _CONSOLE_LOCK:
-                        self.console.write(self.prefix + line)
+                        # (torch's excepthook prefixes a rank's traceback itself: once is enough)
+                        self.console.write(line if line.startswith(self.prefix) else self.prefix + line)
                         self.console.flush()
                 except OSError as error:
                     self._drop(None, "console", error)

@@ -160,26 +160,40 @@ def test_kill_9_of_the_agent_leaves_no_orphan(tmp_path):
     _wait_for(lambda: not any(_alive(p) for p in pids), 10, "workers to die with their agent")
 
 
+def _log_dirs(root, rdzv_id: str) -> list:
+    """The runs' own log directories under --log-dir ``root``: ``<rdzv_id>_<random>``, one per agent run."""
+    return sorted(root.glob(f"{rdzv_id}_*"))
+
+
 def test_tee_prefixes_and_log_dir_keeps_per_rank_files(tmp_path):
-    out = subprocess.run(
-        [*SPMD, "run", "--nproc-per-node", "2", "--tee", "3", "--log-dir", str(tmp_path), "--rdzv-id", "logs", str(SCRIPTS / "report.py")],
-        env=clean_env(), capture_output=True, text=True, timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    assert any(line.startswith("[rank0]: REPORT ") for line in out.stdout.splitlines())
-    assert any(line.startswith("[rank1]: REPORT ") for line in out.stdout.splitlines())
-    for local in ("0", "1"):
-        text = (tmp_path / "logs" / "attempt_0" / local / "stdout.log").read_text()
-        assert "REPORT " in text and not text.startswith("[rank")
+    """Two runs with one --log-dir and --rdzv-id keep their own files (the second truncated the first's)."""
+    for _ in range(2):
+        out = subprocess.run(
+            [*SPMD, "run", "--nproc-per-node", "2", "--tee", "3", "--log-dir", str(tmp_path), "--rdzv-id", "logs", str(SCRIPTS / "report.py")],
+            env=clean_env(), capture_output=True, text=True, timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert any(line.startswith("[rank0]: REPORT ") for line in out.stdout.splitlines())
+        assert any(line.startswith("[rank1]: REPORT ") for line in out.stdout.splitlines())
+        assert "worker logs in " + str(tmp_path / "logs_") in out.stderr, out.stderr
+    runs = _log_dirs(tmp_path, "logs")
+    assert len(runs) == 2, runs  # one directory per run: the second run no longer truncates the first's files
+    for run in runs:
+        for local in ("0", "1"):
+            text = (run / "attempt_0" / local / "stdout.log").read_text()
+            assert "REPORT " in text and not text.startswith("[rank")
 
 
-def test_redirects_keep_output_off_the_console(tmp_path):
+def test_redirects_keep_output_off_the_console_and_need_no_log_dir(tmp_path):
+    """Without --log-dir the files go to a temp directory that the agent names on stderr (as torchrun's)."""
     out = subprocess.run(
-        [*SPMD, "run", "--nproc-per-node", "2", "--redirects", "1", "--log-dir", str(tmp_path), "--rdzv-id", "quiet", str(SCRIPTS / "report.py")],
-        env=clean_env(), capture_output=True, text=True, timeout=120,
+        [*SPMD, "run", "--nproc-per-node", "2", "--redirects", "1", "--rdzv-id", "quiet", str(SCRIPTS / "report.py")],
+        env={**clean_env(), "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=120,
     )
-    assert out.returncode == 0 and "REPORT" not in out.stdout
-    assert "REPORT " in (tmp_path / "quiet" / "attempt_0" / "1" / "stdout.log").read_text()
+    assert out.returncode == 0 and "REPORT" not in out.stdout, out.stderr
+    (run,) = _log_dirs(tmp_path, "quiet")
+    assert f"worker logs in {run}/" in out.stderr
+    assert "REPORT " in (run / "attempt_0" / "1" / "stdout.log").read_text()
 
 
 def test_module_and_no_python_forms(tmp_path):
@@ -326,7 +340,7 @@ def test_a_console_that_closes_does_not_block_the_workers(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err.decode()
     for local in ("0", "1"):
-        assert (tmp_path / "closed" / "attempt_0" / local / "stdout.log").read_text().count("line ") == 20000
+        assert (_log_dirs(tmp_path, "closed")[0] / "attempt_0" / local / "stdout.log").read_text().count("line ") == 20000
 
 
 def test_a_failed_workers_helper_processes_are_stopped_with_the_job(tmp_path):

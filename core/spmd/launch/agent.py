@@ -26,7 +26,7 @@ from spmd.comm.tcp_store import job_scope
 from spmd.errors import SpmdError
 from spmd.launch.args import RunConfig
 from spmd.launch.rendezvous import Rendezvous, connect_store, free_port, local_address_towards
-from spmd.launch.workers import Failure, WorkerGroup
+from spmd.launch.workers import Failure, WorkerGroup, make_log_root
 
 
 class _Interrupted(Exception):
@@ -45,6 +45,9 @@ class Agent:
     def __init__(self, config: RunConfig) -> None:
         self.config = config
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"spmd-run-{config.rdzv_id}-"))
+        if config.log_dir:
+            Path(config.log_dir).mkdir(parents=True, exist_ok=True)
+        self.log_root = make_log_root(config)
         self.group: WorkerGroup | None = None
         self.restarts = 0
 
@@ -112,7 +115,7 @@ class Agent:
                     f"round {round_}: {membership.num_nodes} node(s), world size {membership.world_size}, "
                     f"master {membership.master_addr}:{membership.master_port}, restart {self.restarts}"
                 )
-            self.group = WorkerGroup(c, membership, self.restarts, self.run_dir / f"round{round_}")
+            self.group = WorkerGroup(c, membership, self.restarts, self.run_dir / f"round{round_}", self.log_root)
             self.group.start()
             outcome, failure = self._monitor(rdzv, round_)
             if outcome == "done":

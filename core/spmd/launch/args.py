@@ -145,7 +145,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--monitor-interval", "--monitor_interval", type=float, default=0.1, help="seconds between health checks")
     add("--redirects", "-r", default="0", help="send worker output only to --log-dir files: 0 none, 1 stdout, 2 stderr, 3 both")
     add("--tee", "-t", default="0", help="send worker output to --log-dir files and the console, prefixed by rank: 0-3")
-    add("--log-dir", "--log_dir", default=None, help="directory for per-rank stdout/stderr logs")
+    add("--log-dir", "--log_dir", default=None, help="where each run writes <rdzv-id>_<random>/attempt_N/<local rank>/{stdout,stderr}.log "
+        "for --tee/--redirects (default: the system's temp directory)")
     add("--stop-grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL when stopping workers")
     add("--master-addr", "--master_addr", default=None, help="as torchrun's static rendezvous: without --rdzv-endpoint, agents meet at MASTER_ADDR:MASTER_PORT, and workers get MASTER_ADDR")
     add("--master-port", "--master_port", type=int, default=None, help="see --master-addr (workers' MASTER_PORT is a free port node 0 picks: the agents' store holds this one, as torchrun's does)")
@@ -180,8 +181,6 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         endpoint = f"{ns.master_addr or '127.0.0.1'}:{ns.master_port or 29500}"  # torchrun's static rendezvous
     if high > 1 and not endpoint:
         raise SystemExit("spmd run: with --nnodes > 1 pass --rdzv-endpoint host:port (the same on every node)")
-    if (ns.redirects != "0" or ns.tee != "0") and not ns.log_dir and ns.redirects != "0":
-        raise SystemExit("spmd run: --redirects needs --log-dir (where else would the output go?)")
     return RunConfig(
         nproc_per_node=nproc,
         min_nodes=low,

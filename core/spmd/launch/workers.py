@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping
@@ -193,12 +194,24 @@ _CONSOLE_LOCK = threading.Lock()
 KILL_WAIT_S = 30.0
 
 
+def make_log_root(config: RunConfig) -> Path | None:
+    """This agent's log directory, made once per ``spmd run``: ``<--log-dir>/<rdzv_id>_<random>`` (as
+    torchrun's), so runs and nodes that share a --log-dir never overwrite each other's files; in the
+    system's temp directory without --log-dir. None when --tee and --redirects send nothing to files."""
+    if not any(config.tee.values()) and not any(config.redirects.values()):
+        return None
+    folder = Path(tempfile.mkdtemp(prefix=f"{config.rdzv_id}_", dir=config.log_dir))
+    print(f"spmd run: worker logs in {folder}/attempt_<restart>/<local rank>/{{stdout,stderr}}.log", file=sys.stderr, flush=True)
+    return folder
+
+
 class WorkerGroup:
     """The workers of this node for one rendezvous round."""
 
-    def __init__(self, config: RunConfig, membership: Membership, restart: int, run_dir: Path) -> None:
+    def __init__(self, config: RunConfig, membership: Membership, restart: int, run_dir: Path, log_root: Path | None = None) -> None:
         self.config, self.membership, self.restart = config, membership, restart
         self.run_dir = run_dir
+        self.log_root = log_root  # this agent's own log directory (see make_log_root), None when no output goes to files
         self.workers: list[Worker] = []
 
     def start(self) -> None:
@@ -221,9 +234,9 @@ class WorkerGroup:
             self.workers.append(worker)
 
     def _log_file(self, local_rank: int, name: str) -> IO[bytes] | None:
-        if not self.config.log_dir:
+        if self.log_root is None:
             return None
-        folder = Path(self.config.log_dir) / self.config.rdzv_id / f"attempt_{self.restart}" / str(local_rank)
+        folder = self.log_root / f"attempt_{self.restart}" / str(local_rank)
         folder.mkdir(parents=True, exist_ok=True)
         return open(folder / f"{name}.log", "wb")  # noqa: SIM115 - closed by the pump thread
 

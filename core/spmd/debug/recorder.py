@@ -106,6 +106,17 @@ class Entry(_RareFields):
         return entry
 
 
+def _shapes_and_dtypes(tensors: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Size], Sequence[torch.dtype]]:
+    """What a record keeps of an op's tensors: their shapes (torch.Size is immutable: no copy) and dtypes."""
+    if len(tensors) == 1:  # the common cases, without a comprehension's frame
+        tensor = tensors[0]
+        return (tensor.shape,), (tensor.dtype,)
+    if len(tensors) == 2:  # input and output
+        first, second = tensors
+        return (first.shape, second.shape), (first.dtype, second.dtype)
+    return [t.shape for t in tensors], [t.dtype for t in tensors]
+
+
 def entry_of(item: Entry | Record) -> Entry:
     """The Entry of a ring or history item (an Entry, or a completed op's ``Record``)."""
     return Entry.from_record(item) if isinstance(item, tuple) else item
@@ -141,18 +152,7 @@ class FlightRecorder:
         """
         entry = _new_entry(Entry)
         entry.group, entry.seq, entry.op, entry.reduce_op = group, seq, op, reduce_op
-        count = len(tensors)
-        if count == 1:  # the common cases, without a comprehension's frame
-            tensor = tensors[0]
-            entry.shapes = (tensor.shape,)  # torch.Size is an immutable tuple: no copy
-            entry.dtypes = (tensor.dtype,)
-        elif count == 2:  # input and output
-            first, second = tensors
-            entry.shapes = (first.shape, second.shape)
-            entry.dtypes = (first.dtype, second.dtype)
-        else:
-            entry.shapes = [t.shape for t in tensors]
-            entry.dtypes = [t.dtype for t in tensors]
+        entry.shapes, entry.dtypes = _shapes_and_dtypes(tensors)
         if peer is not None:
             entry.peer = peer
         if splits is not None:
@@ -182,15 +182,8 @@ class FlightRecorder:
     def completed(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any) -> Record:
         """Record a collective that already succeeded, as a ``Record``: ``start(..., done=True)`` for
         the hot path of every synchronous op, at a third of its cost (no Entry, no peer or splits)."""
-        record: Record
-        if len(tensors) == 1:
-            tensor = tensors[0]
-            record = (group, seq, op, (tensor.shape,), (tensor.dtype,), reduce_op, _now())
-        elif len(tensors) == 2:
-            first, second = tensors
-            record = (group, seq, op, (first.shape, second.shape), (first.dtype, second.dtype), reduce_op, _now())
-        else:
-            record = (group, seq, op, [t.shape for t in tensors], [t.dtype for t in tensors], reduce_op, _now())
+        shapes, dtypes = _shapes_and_dtypes(tensors)
+        record: Record = (group, seq, op, shapes, dtypes, reduce_op, _now())
         if self.enabled:
             self.entries.append(record)
         progress = self.progress.get(group)

@@ -313,16 +313,15 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
             lines.append(f"    rank {r}: no op on this group yet{dead}")
             continue
         started, started_op, done, done_op = state[:4]
-        if collective and started == entry.seq and len(state) > 4 and state[4] is not None:
-            calls[r] = state[4]
-        if not collective:
-            pass
-        elif started < entry.seq:
-            never.append(r)
-        elif started == entry.seq and started_op != entry.op:
-            diverged.append(r)
-        elif started > entry.seq:
-            ahead.append(r)
+        if collective:  # place the rank against this op's sequence number
+            if started == entry.seq and len(state) > 4 and state[4] is not None:
+                calls[r] = state[4]
+            if started < entry.seq:
+                never.append(r)
+            elif started == entry.seq and started_op != entry.op:
+                diverged.append(r)
+            elif started > entry.seq:
+                ahead.append(r)
         last = f"last completed {done_op} #{done}" if done >= 0 else "nothing completed"
         lines.append(f"    rank {r}: last started {started_op} #{started}, {last}{dead}")
     summary = []

@@ -118,21 +118,25 @@ def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, split
                             "destroy it and create a new group, or restart the job")
         raise
     except CollectiveTimeoutError:
-        pending = Work()
-        pending.default_timeout, pending._entry, pending._group = limit, entry, group
-        timed_out = pending._timed_out(limit, own_deadline=True)
-        if not async_op:
-            raise timed_out from None
-        pending._finish(None, timed_out)
-        return pending
-    except CollectiveError as error:  # the group was given up while this rank waited (see desync.check)
-        failed = Work()
-        failed.default_timeout, failed._entry, failed._group = limit, entry, group
-        failed._finish(None, error)
-        if not async_op:
-            raise failed._explain(error) from None  # (with the diagnosis and the dumps, as any failed op's)
-        return failed
-    return None
+        ended = _failed_call(group, entry, limit)
+        failure = ended._timed_out(limit, own_deadline=True)
+    except CollectiveError as given_up:  # the group was given up while this rank waited (see desync.check)
+        ended = _failed_call(group, entry, limit)
+        ended._finish(None, given_up)
+        failure = ended._explain(given_up)  # (with the diagnosis and the dumps, as any failed op's)
+    else:
+        return None
+    if not async_op:
+        raise failure from None
+    ended._finish(None, failure)
+    return ended
+
+
+def _failed_call(group: ProcessGroup, entry: Entry, limit: float | None) -> Work:
+    """The Work of a call that the pre-op check ended: its error is explained like a submitted op's."""
+    work = Work()
+    work.default_timeout, work._entry, work._group = limit, entry, group
+    return work
 
 
 def _record(group: ProcessGroup, call: Call, done: bool = False) -> Entry:

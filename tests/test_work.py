@@ -198,6 +198,19 @@ def test_from_native_uses_the_native_callback_when_there_is_one():
     assert seen == ["done"] and work.is_completed()
 
 
+def test_a_native_work_is_aborted_at_its_own_deadline_not_at_a_shorter_wait():
+    """``wait(timeout)`` only ends that wait (the op keeps running); its own deadline gives it up (``abort``)."""
+    native = FakeNative()
+    work = spmd.Work.from_native(native)
+    work.default_timeout = 0.3
+    with pytest.raises(spmd.CollectiveTimeoutError, match="within 0.1 s"):
+        work.wait(0.1)
+    assert not native.aborted
+    with pytest.raises(spmd.CollectiveTimeoutError, match="within 0.3 s"):
+        work.wait()
+    assert native.aborted
+
+
 def test_an_expired_native_work_is_aborted_and_fails_with_the_kernels_error():
     native = FakeNative()
     work = spmd.Work.from_native(native)

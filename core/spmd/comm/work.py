@@ -348,8 +348,10 @@ class NativeWork(Protocol):
         (False: the op keeps running). None means no limit of the kernel's;
         the backend may still bound it with its own group timeout.
     ``abort() -> None``
-        The kernel gave up on the op (its deadline passed): release what can be
-        released. The op may stay unfinished; it is never waited on again.
+        The kernel gave up on the op (its own deadline passed, in a wait or in
+        the watchdog): release what can be released. The op may stay
+        unfinished; it is never waited on again. A ``wait(timeout)`` that
+        returns False is not an abort: the caller may wait again.
     ``error() -> BaseException | None``
         After the op finished: why it failed, or None. A timeout the backend
         detected itself should be a ``TimeoutError`` (the kernel words it as a
@@ -429,12 +431,21 @@ class NativeWorkAdapter(Work):
         self._hook()
         super().add_done_callback(callback)
 
-    def _expire(self, error: BaseException) -> None:
+    def _abort(self) -> None:
+        """The kernel gave up on the op: let the backend release it (``NativeWork.abort``)."""
         if not self._is_done:
             try:
                 self.native.abort()
             except Exception:  # noqa: BLE001 - the timeout is the error to report, not the abort's
                 pass
+
+    def _timed_out(self, limit: float | None, own_deadline: bool) -> BaseException:
+        if own_deadline:  # the op's own deadline: given up (a caller's shorter wait leaves it running)
+            self._abort()
+        return super()._timed_out(limit, own_deadline)
+
+    def _expire(self, error: BaseException) -> None:
+        self._abort()
         super()._expire(error)
 
 

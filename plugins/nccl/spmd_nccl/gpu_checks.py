@@ -225,26 +225,36 @@ def check_split_origin() -> dict[str, str]:
 
 
 def check_timeout_aborts() -> str:
-    """Rank 0 waits (timeout 2 s) on an all_reduce rank 1 never joins: CollectiveTimeoutError, then the group is dead."""
+    """Rank 0 waits on an all_reduce (timeout=2) rank 1 never joins: a shorter wait(0.5) only ends that
+    wait and leaves the communicator alive; the op's own deadline raises CollectiveTimeoutError and
+    aborts the communicator, so a later op fails at once."""
     use_gpu()
     group = spmd.new_group(list(range(spmd.get_world_size())))
     spmd.all_reduce(torch.ones(4, device="cuda"), group=group)  # both ranks create the communicator
     torch.cuda.synchronize()
     if spmd.get_rank() != 0:
-        time.sleep(6)  # never joins the second all_reduce
+        time.sleep(8)  # never joins the second all_reduce
         spmd.destroy_process_group(group)
         return "skipped the op"
-    work = spmd.all_reduce(torch.ones(4, device="cuda"), group=group, async_op=True)
-    assert work is not None
+    communicator = group.backend("cuda").communicator  # type: ignore[union-attr]
     start = time.perf_counter()
+    work = spmd.all_reduce(torch.ones(4, device="cuda"), group=group, async_op=True, timeout=2)
+    assert work is not None
     try:
-        work.wait(timeout=2)
+        work.wait(timeout=0.5)
+    except CollectiveTimeoutError:
+        if communicator.error is not None:
+            raise AssertionError(f"a wait shorter than the op's timeout aborted the communicator: {communicator.error}") from None
+    else:
+        raise AssertionError("wait(timeout=0.5) returned although the peer never joined")
+    try:
+        work.wait(timeout=30)
     except CollectiveTimeoutError as error:
         took = time.perf_counter() - start
         if not 1.5 <= took <= 15:
-            raise AssertionError(f"the timeout fired after {took:.1f} s, not about 2 s") from error
+            raise AssertionError(f"the op's 2 s timeout fired after {took:.1f} s") from error
     else:
-        raise AssertionError("wait(timeout=2) returned although the peer never joined")
+        raise AssertionError("the op completed although the peer never joined")
     try:
         spmd.all_reduce(torch.ones(4, device="cuda"), group=group)
     except CollectiveTimeoutError as error:

@@ -101,7 +101,9 @@ class NcclWork:
         return True
 
     def wait(self, timeout: float | None) -> bool:
-        """Block the CPU until the event completes; at ``timeout`` (None: the group's) abort the communicator."""
+        """Block the CPU until the event completes: False at ``timeout`` (the op keeps running; the
+        kernel calls ``abort`` if that was its own deadline); with None, at the group's timeout abort
+        the communicator, as the watcher would."""
         if self.done:
             return True
         if self.cuda_event is None:
@@ -127,6 +129,8 @@ class NcclWork:
                     self.succeeded()
                 return True
             if time.monotonic() >= deadline:
+                if timeout is not None:
+                    return False
                 error = TimeoutError(
                     f"NCCL: the op did not finish within {limit:.1f} s; the communicator of group "
                     f"{self.comm.group!r} was aborted (ncclCommAbort), so its later CUDA ops raise"

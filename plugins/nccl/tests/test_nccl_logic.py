@@ -223,16 +223,31 @@ def test_the_watcher_completes_works_nobody_waits_for(cuda: FakeCuda, lib: FakeL
     assert eventually(lambda: all(w.done for w in works))
 
 
-def test_wait_with_timeout_aborts_and_raises_the_named_error(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+def test_a_shorter_wait_only_ends_that_wait(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
+    """A caller's ``wait(timeout)`` below the group's raises for that wait; the op and the communicator live on."""
+    comm = make(comms, lib)
+    work = all_reduce(comm)
+    start = time.perf_counter()
+    with pytest.raises(CollectiveTimeoutError, match=r"did not complete within 0\.2 s"):
+        work.wait(timeout=0.2)
+    assert 0.15 < time.perf_counter() - start < 3
+    assert "ncclCommAbort" not in lib.names() and comm.handle is not None and comm.error is None
+    work.native.cuda_event.done = True
+    assert work.wait(timeout=5) is True and work.exception() is None  # the late op still completes
+
+
+def test_a_cpu_wait_past_the_ops_own_deadline_aborts_and_raises_the_named_error(cuda: FakeCuda, lib: FakeLib, comms: list) -> None:
     comm = make(comms, lib)
     work = all_reduce(comm)
     other = all_reduce(comm)
+    work.native.cpu_wait = True  # as a barrier's: wait() blocks the CPU until the group's deadline
+    work.default_timeout = 0.2  # (the kernel attaches the group's timeout)
     start = time.perf_counter()
-    with pytest.raises(CollectiveTimeoutError, match=r"did not complete within 0\.2 s .*ncclCommAbort"):
-        work.wait(timeout=0.2)
+    with pytest.raises(CollectiveTimeoutError, match=r"did not complete within 0\.2 s"):
+        work.wait()
     assert 0.15 < time.perf_counter() - start < 3
     assert lib.names().count("ncclCommAbort") == 1 and comm.handle is None
-    assert other.is_completed() and isinstance(other.exception(), CollectiveTimeoutError)  # everything on it failed too
+    assert eventually(other.is_completed) and isinstance(other.exception(), CollectiveTimeoutError)  # everything on it failed too
     with pytest.raises(CollectiveTimeoutError, match="was aborted after an earlier failure"):
         all_reduce(comm)
 

@@ -55,7 +55,8 @@ def timeout_error(description: str, limit: float | None, detail: str = "") -> Co
     return CollectiveTimeoutError(
         f"{description} did not complete {within}{suffix}. A peer rank may have skipped this "
         "call, died, or be stuck elsewhere; check that every rank of the group reaches the "
-        "same collectives in the same order, or raise the timeout (spmd.init(timeout=...))"
+        "same collectives in the same order, or raise the timeout (timeout= on the op, "
+        "new_group(timeout=...), spmd.init(timeout=...))"
     )
 
 

@@ -72,6 +72,27 @@ def one_rank_raises(timeout: float) -> list[str]:
     return outcomes
 
 
+def peer_gives_up_while_inside(timeout: float) -> str:
+    """Rank 1 is inside an all_reduce (a call shape its group already agreed on, so in the backend)
+    when rank 0's own call raises and gives the group up: rank 1's wait must end then, not at its timeout."""
+    group = spmd.new_group([0, 1], timeout=timeout)
+    t = torch.ones(4)
+    spmd.all_reduce(t, group=group)  # the backend exists and the call shape is agreed
+    if spmd.get_rank() == 0:
+        time.sleep(0.5)  # rank 1 is inside its second all_reduce by now
+        try:
+            spmd.all_gather_into_tensor(torch.empty(3), torch.ones(2), group=group)
+        except ValueError as error:
+            return f"ValueError: {error}"
+        return "no error"
+    start = time.monotonic()
+    try:
+        spmd.all_reduce(t, group=group)
+    except spmd.SpmdError as error:
+        return f"{type(error).__name__} after {time.monotonic() - start:.1f} s: {str(error).splitlines()[0]}"
+    return "returned"
+
+
 def skip_a_collective(timeout: float) -> str:
     """Rank 0 calls all_reduce on a short-timeout group that rank 1 never joins in."""
     group = spmd.new_group([0, 1], timeout=timeout)

@@ -13,7 +13,7 @@ import torch.distributed as tdist
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.registry import backends
 from spmd.comm.store_wait import missing_keys
-from spmd.comm.work import Timeout, seconds
+from spmd.comm.work import Timeout, Work, seconds
 from spmd.debug.recorder import recorder
 from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
 
@@ -78,6 +78,9 @@ class ProcessGroup:
         self.agreed_calls: set[tuple] = set()
         #: Why no op may run on this group any more (a failed or timed-out op, or destroy), else None.
         self.unusable: str | None = None
+        #: What this rank's threads wait on synchronously right now (a backend's NativeWork, or a
+        #: Work): given up with the group (``fail_pending``), so such a wait ends too.
+        self.blocked: set[Any] = set()
 
     # -- ranks ---------------------------------------------------------------------
     def group_rank(self, global_rank: int) -> int:
@@ -138,9 +141,25 @@ class ProcessGroup:
                     pass
 
     def fail_pending(self) -> None:
-        """Fail this group's unfinished async Works with its refusal (once another rank gave up on it)."""
+        """Fail what is unfinished on this group with its refusal (once another rank gave up on it).
+
+        Its async Works fail at once; a synchronous wait ends too: a Work it
+        waits on fails, a backend's handle is aborted (``NativeWork.abort``:
+        the backend ends a wait in progress where it can, and the waiting call
+        then raises the refusal). Without this a rank inside a collective its
+        peer abandoned waited out the op's whole timeout.
+        """
+        refusal = self.refusal()
         for work in recorder.take_group(self.name):
-            work._expire(self.refusal())
+            work._expire(refusal)
+        for waited in list(self.blocked):
+            if isinstance(waited, Work):
+                waited._expire(refusal)
+            else:
+                try:
+                    waited.abort()
+                except Exception:  # noqa: BLE001 - the waiter still times out at its deadline
+                    pass
 
     def refusal(self) -> CollectiveError:
         """The error every op on an unusable group raises."""

@@ -214,8 +214,15 @@ def complete(
         if not work._is_done:  # (a finished Work has nothing left to age)
             recorder.watch(entry, work, limit)
         return work
-    if not work._is_done or work._error is not None:
-        work.wait()  # the synchronous path waits natively, with no callback hop
+    if not work._is_done:
+        blocked = group.blocked
+        blocked.add(work)  # (given up with the group: fail_pending ends this wait)
+        try:
+            work.wait()  # the synchronous path waits natively, with no callback hop
+        finally:
+            blocked.discard(work)
+    elif work._error is not None:
+        work.wait()  # raises it, explained
     if after is not None:
         after()
     return None
@@ -230,7 +237,13 @@ def _wait_here(native: NativeWork, group: ProcessGroup, op: str, call: Call, aft
     """
     entry = _record(group, call)
     limit = group.timeout_s if timeout is None else seconds(timeout)
-    if native.wait(limit) and native.error() is None:
+    blocked = group.blocked
+    blocked.add(native)  # (given up with the group: fail_pending aborts it, ending this wait)
+    try:
+        finished = native.wait(limit)
+    finally:
+        blocked.discard(native)
+    if finished and native.error() is None:
         entry.finish(None)
         if after is not None:
             after()
@@ -239,6 +252,10 @@ def _wait_here(native: NativeWork, group: ProcessGroup, op: str, call: Call, aft
     work.default_timeout, work._entry, work._group = limit, entry, group
     if op != entry.op:  # point-to-point: "isend to rank 3 (tag 0)"
         work._describe = lambda: group.describe(op)
+    if finished and group.unusable is not None:  # aborted: given up meanwhile (a peer's failure, announced)
+        given_up = group.refusal()
+        work._finish(None, given_up)
+        raise work._explain(given_up)
     if not native.poll():
         raise work._timed_out(limit, own_deadline=True)
     work.wait()  # finished with an error: raises it, explained

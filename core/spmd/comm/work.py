@@ -352,7 +352,11 @@ class NativeWork(Protocol):
         The kernel gave up on the op (its own deadline passed, in a wait or in
         the watchdog): release what can be released. The op may stay
         unfinished; it is never waited on again. A ``wait(timeout)`` that
-        returns False is not an abort: the caller may wait again.
+        returns False is not an abort: the caller may wait again. Also called
+        while another thread is inside ``wait`` (the group was given up on
+        another rank): that wait should then return soon (True, with
+        ``error()`` saying it was aborted), or it runs to its own timeout.
+        Memory the op may still write must stay alive after an abort.
     ``error() -> BaseException | None``
         After the op finished: why it failed, or None. A timeout the backend
         detected itself should be a ``TimeoutError`` (the kernel words it as a

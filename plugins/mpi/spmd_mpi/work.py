@@ -84,6 +84,7 @@ class MpiWork:
     _failure: BaseException | None = None
     _wakeup: threading.Event | None = None
     _done_fns: list[Callable[[], object]] | None = None
+    _aborted = False
 
     def __init__(
         self, request: Any, keep: object = None, after: Callable[[bool], None] | None = None, nbytes: int = 0
@@ -157,6 +158,10 @@ class MpiWork:
         mine = False
         error = None
         while True:
+            if self._aborted:
+                if self._give_up():
+                    return True
+                break  # another thread is finishing it
             _acquire()
             try:
                 if self._claimed:
@@ -205,7 +210,32 @@ class MpiWork:
         return self._finished
 
     def abort(self) -> None:
-        """MPI cannot cancel a collective request; it stays posted (the kernel never waits on it again)."""
+        """The kernel gave up on the op: a wait in progress returns (failed). MPI cannot cancel a
+        collective request, so it stays posted, and its buffers alive, until MPI completes it."""
+        self._aborted = True
+
+    def _give_up(self) -> bool:
+        """Finish an aborted op as failed (its request and buffers go to ``_ABANDONED``); False if
+        another thread is finishing it already."""
+        _acquire()
+        try:
+            if self._claimed:
+                return False
+            self._claimed = True
+        finally:
+            _release()
+        _abandon(self._request, self._keep)
+        self._request = self._keep = self._after = None
+        with _STATE_LOCK:
+            self._failure = CollectiveError("MPI: spmd gave up on this op (its group was given up); the request stays posted")
+            self._finished = True
+            wakeup, fns = self._wakeup, self._done_fns
+            self._done_fns = None
+        if wakeup is not None:
+            wakeup.set()
+        for fn in fns or ():
+            fn()
+        return True
 
     def error(self) -> BaseException | None:
         return self._failure
@@ -223,6 +253,26 @@ class MpiWork:
             fn()
         elif watch:
             _WATCHER.add(self)  # someone must test the request for the callback to fire
+
+
+#: (request, buffers) of aborted ops: MPI may still write into the buffers until the request completes.
+_ABANDONED: list[tuple[Any, object]] = []
+
+
+def _abandon(request: Any, keep: object) -> None:
+    """Keep an aborted op's buffers alive until MPI completes its request (tested when one more comes)."""
+    with _TEST_LOCK:
+        still = []
+        for old_request, old_keep in _ABANDONED:
+            try:
+                if old_request.Test():
+                    continue
+            except Exception:  # noqa: BLE001 - MPI says it is over: its buffers may go
+                continue
+            still.append((old_request, old_keep))
+        _ABANDONED[:] = still
+        if request is not None:
+            _ABANDONED.append((request, keep))
 
 
 class _Watcher:

@@ -70,6 +70,7 @@ class EngineWork(Pending):
     _finished = False
     _failure: BaseException | None = None
     _done_fns: list[Callable[[], object]] | None = None
+    _aborted = False
 
     def _deliver(self) -> None:
         """Mark the op finished and run the kernel's done-callbacks (once)."""
@@ -89,10 +90,17 @@ class EngineWork(Pending):
         if self._finished:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
-        return self._backend.engine.wait_until(lambda: self._finished, deadline)
+        if self._backend.engine.wait_until(lambda: self._finished or self._aborted, deadline):
+            if not self._finished:  # aborted: this wait ends; the engine keeps the op (and its buffers)
+                self._failure = CollectiveError("UCX: spmd gave up on this op (its group was given up)")
+            return True
+        return False
 
     def abort(self) -> None:
-        """UCX requests are not cancelled one by one; a failed peer ends them (FAILURE_GRACE)."""
+        """The kernel gave up on the op: a wait in progress returns within a progress round (50 ms).
+        UCX requests are not cancelled one by one: the engine keeps the op, and its buffers, until
+        UCX ends it (a failed peer ends it within FAILURE_GRACE)."""
+        self._aborted = True
 
     def error(self) -> BaseException | None:
         return self._failure

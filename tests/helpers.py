@@ -475,8 +475,10 @@ def stale_and_fresh_announcements() -> dict[str, object]:
     spmd.barrier()
     if spmd.get_rank() == 0:
         with dog.lock:
-            dog.client.set(watchdog.UNUSABLE_KEY.format(group=old.name), "1.0|rank 1 gave up on it: long ago")
-            dog.client.set(watchdog.UNUSABLE_KEY.format(group=new.name), f"{time.time():.6f}|rank 1 gave up on it: now")
+            # numbered as an announcement made before this world's watchdogs started, and one made now
+            dog.client.set(watchdog.UNUSABLE_KEY.format(group=old.name), f"{dog.unusable_before}|rank 1 gave up on it: long ago")
+            number = dog.client.add(watchdog.UNUSABLE_NUMBER, 1)
+            dog.client.set(watchdog.UNUSABLE_KEY.format(group=new.name), f"{number}|rank 1 gave up on it: now")
             dog.client.add(watchdog.UNUSABLE_COUNT, 1)
     deadline = time.monotonic() + 10
     while new.unusable is None and time.monotonic() < deadline:

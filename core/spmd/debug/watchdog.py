@@ -33,8 +33,9 @@ PROGRESS_KEY = "spmd/debug/progress/{rank}"
 DUMP_COUNTER = "spmd/debug/dump_requests"
 DUMP_REASON = "spmd/debug/dump_reason"
 DUMPED_KEY = "spmd/debug/dumped/{rank}"  # the last request number this rank served
-UNUSABLE_COUNT = "spmd/debug/unusable_count"  # bumped whenever a rank gives up on a group
-UNUSABLE_KEY = "spmd/debug/unusable/{group}"  # which rank gave up on the group, and why
+UNUSABLE_COUNT = "spmd/debug/unusable_count"  # bumped whenever a rank gives up on a group (after its key is set)
+UNUSABLE_NUMBER = "spmd/debug/unusable_number"  # numbers the announcements, in store order (no clocks)
+UNUSABLE_KEY = "spmd/debug/unusable/{group}"  # "<number>|which rank gave up on the group, and why"
 #: How often (seconds, at most) the watchdog looks for async Works past their deadline.
 DEADLINE_STEP = 0.2
 
@@ -74,6 +75,9 @@ class Watchdog:
         self.lock = threading.Lock()  # one user of the client at a time: the thread or a diagnosis
         self.seen_requests = 0
         self.seen_unusable = 0
+        #: Announcements numbered up to this one were made before this watchdog started (an earlier
+        #: world on the same store): ignored. Numbers, not wall times, which differ across hosts.
+        self.unusable_before = 0
         self.started_at = 0.0
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="spmd-watchdog", daemon=True)
@@ -84,6 +88,7 @@ class Watchdog:
         with self.lock:
             self.seen_requests = int(self.client.add(DUMP_COUNTER, 0))
             self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 0))
+            self.unusable_before = int(self.client.add(UNUSABLE_NUMBER, 0))
         self.thread.start()
 
     def stop(self, wait_s: float = 5.0) -> None:
@@ -143,9 +148,10 @@ class Watchdog:
     # -- groups a rank gave up on ------------------------------------------------------------
     def announce_unusable(self, group: str, reason: str) -> None:
         """Tell the other ranks that this rank gave up on ``group`` (one set, one add)."""
-        with self.lock:  # the time tells this world's announcements from an earlier world's on the same store
-            self.client.set(UNUSABLE_KEY.format(group=group), f"{time.time():.6f}|rank {self.rank} gave up on it: {reason}")
-            self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 1))
+        with self.lock:  # the number tells this world's announcements from an earlier world's on the same store
+            number = int(self.client.add(UNUSABLE_NUMBER, 1))
+            self.client.set(UNUSABLE_KEY.format(group=group), f"{number}|rank {self.rank} gave up on it: {reason}")
+            self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 1))  # (after the key: a reader that sees it finds the key)
 
     def adopt_unusable(self) -> None:
         """Mark unusable here every group another rank gave up on, and fail its pending async Works.
@@ -167,8 +173,8 @@ class Watchdog:
                 value = self.client.get(key).decode() if self.client.check([key]) else None
             if value is None:
                 continue
-            announced, _, reason = value.partition("|")
-            if float(announced) >= self.started_at:  # not left over from an earlier world of that name
+            number, _, reason = value.partition("|")
+            if int(number) > self.unusable_before:  # not left over from an earlier world of that name
                 group.mark_unusable(reason, announce=False)
                 group.fail_pending()
 

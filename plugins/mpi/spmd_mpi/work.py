@@ -84,7 +84,6 @@ class MpiWork:
     _failure: BaseException | None = None
     _wakeup: threading.Event | None = None
     _done_fns: list[Callable[[], object]] | None = None
-    _aborted = False
 
     def __init__(
         self, request: Any, keep: object = None, after: Callable[[bool], None] | None = None, nbytes: int = 0
@@ -158,10 +157,6 @@ class MpiWork:
         mine = False
         error = None
         while True:
-            if self._aborted:
-                if self._give_up():
-                    return True
-                break  # another thread is finishing it
             _acquire()
             try:
                 if self._claimed:
@@ -210,24 +205,20 @@ class MpiWork:
         return self._finished
 
     def abort(self) -> None:
-        """The kernel gave up on the op: a wait in progress returns (failed). MPI cannot cancel a
-        collective request, so it stays posted, and its buffers alive, until MPI completes it."""
-        self._aborted = True
-
-    def _give_up(self) -> bool:
-        """Finish an aborted op as failed (its request and buffers go to ``_ABANDONED``); False if
-        another thread is finishing it already."""
+        """The kernel gave up on the op: it finishes as failed now, so a wait in progress returns.
+        MPI cannot cancel a collective request: it stays posted, and its buffers alive (in
+        ``_ABANDONED``, not in this handle, which the caller may drop), until MPI completes it."""
         _acquire()
         try:
-            if self._claimed:
-                return False
+            if self._claimed:  # finished, or being finished by another thread
+                return
             self._claimed = True
         finally:
             _release()
         _abandon(self._request, self._keep)
         self._request = self._keep = self._after = None
         with _STATE_LOCK:
-            self._failure = CollectiveError("MPI: spmd gave up on this op (its group was given up); the request stays posted")
+            self._failure = CollectiveError("MPI: spmd gave up on this op (aborted); its request stays posted")
             self._finished = True
             wakeup, fns = self._wakeup, self._done_fns
             self._done_fns = None
@@ -235,7 +226,6 @@ class MpiWork:
             wakeup.set()
         for fn in fns or ():
             fn()
-        return True
 
     def error(self) -> BaseException | None:
         return self._failure

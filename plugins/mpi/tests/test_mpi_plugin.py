@@ -262,3 +262,38 @@ def test_reduce_table_covers_every_valid_pair():
 
 
 _ = spmd  # the module is imported for its side effects on the plugin manager
+
+
+# -- aborting a request ---------------------------------------------------------------------
+class _PostedRequest:
+    """An MPI request that MPI has not completed (until ``done``); counts its tests."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+        return self.done
+
+
+def test_an_aborted_request_fails_its_waiter_and_keeps_its_buffers_until_mpi_completes_it():
+    """The kernel aborts what it gave up on (its deadline, or its group given up elsewhere): a wait in
+    another thread returns at once, and the tensors MPI may still write outlive the dropped handle."""
+    import threading
+
+    import torch
+
+    from spmd_mpi import work as mpi_work
+
+    request, buffer = _PostedRequest(), torch.ones(4)
+    handle = mpi_work.MpiWork(request, buffer, None, buffer.nbytes)
+    waited: list[bool] = []
+    waiter = threading.Thread(target=lambda: waited.append(handle.wait(30.0)))
+    waiter.start()
+    handle.abort()
+    waiter.join(5)
+    assert waited == [True] and "gave up" in str(handle.error())
+    assert handle.poll() and handle.wait(0) is True
+    assert any(r is request and k is buffer for r, k in mpi_work._ABANDONED)
+    request.done = True  # MPI completes it at last: the next abandoned request prunes it
+    mpi_work._abandon(None, None)
+    assert not any(r is request for r, _ in mpi_work._ABANDONED)

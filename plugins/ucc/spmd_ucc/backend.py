@@ -92,7 +92,7 @@ class EngineWork(Pending):
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._backend.engine.wait_until(lambda: self._finished or self._aborted, deadline):
             if not self._finished:  # aborted: this wait ends; the engine keeps the op (and its buffers)
-                self._failure = CollectiveError("UCX: spmd gave up on this op (its group was given up)")
+                self._failure = CollectiveError("UCX: spmd gave up on this op (aborted)")
             return True
         return False
 

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -367,3 +368,190 @@ def test_tee_prefixes_each_line_once():
     with os.fdopen(read, "rb") as r:
         _Sink(console, b"[rank0]: ", None, None).pump(r)
     assert console.getvalue() == b"[rank0]: Traceback (most recent call last):\n[rank0]: plain line\n"
+
+
+# -- one agent with stand-in workers, the other nodes simulated over an in-process store ----------------------------
+
+
+class FakeGroup:
+    """Stands in for WorkerGroup: its workers 'exit' as ``result`` says; ``stop`` only records the signal."""
+
+    made: list[FakeGroup] = []
+
+    def __init__(self, config, membership, restart, run_dir, log_root=None):
+        self.membership, self.restart = membership, restart
+        self.result: tuple = (True, None)  # (all exited 0, failure)
+        self.stopped: list[int] = []
+        self.on_stop = lambda: None
+        FakeGroup.made.append(self)
+
+    def start(self):
+        pass
+
+    def poll(self):
+        return self.result
+
+    def drain(self, timeout=10.0):
+        pass
+
+    def stop(self, signum=signal.SIGTERM):
+        self.stopped.append(signum)
+        self.on_stop()
+
+
+def _config(**changes):
+    from dataclasses import replace
+
+    from spmd.launch.args import RunConfig
+
+    base = RunConfig(nproc_per_node=1, min_nodes=2, max_nodes=2, node_rank=0, rdzv_endpoint="127.0.0.1:1", rdzv_id="unit", standalone=False,
+                     max_restarts=0, monitor_interval=0.01, redirects={0: 0}, tee={0: 0}, log_dir=None, module=False, no_python=False,
+                     script="x.py", script_args=(), rdzv_timeout=30.0, last_call=0.0, stop_grace=1.0)
+    return replace(base, **changes)
+
+
+def _agent(monkeypatch, tmp_path, store, hosting: bool, endpoint: str = "127.0.0.1:1", **changes):
+    """An Agent whose rendezvous runs over ``store`` and whose workers are FakeGroups."""
+    import tempfile
+
+    from spmd.launch import agent as agent_module
+    from spmd.launch.rendezvous import Rendezvous
+
+    config = _config(rdzv_endpoint=endpoint, **changes)
+
+    def rendezvous(self):
+        self._store, self._endpoint = store, endpoint
+        return Rendezvous(store, config.rdzv_id, config.min_nodes, config.max_nodes, config.rdzv_timeout, config.last_call, poll=0.01), hosting, "127.0.0.1"
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(agent_module.Agent, "_rendezvous", rendezvous)
+    monkeypatch.setattr(agent_module, "WorkerGroup", FakeGroup)
+    FakeGroup.made = []
+    return agent_module.Agent(config)
+
+
+def _other_node(store, script, config=None):
+    """Node 1 of a two-node job, run by ``script(rdzv)`` in a thread over the same store; returns (thread, errors)."""
+    from spmd.launch.rendezvous import Rendezvous
+
+    config = config or _config()
+    rdzv = Rendezvous(store, config.rdzv_id, config.min_nodes, config.max_nodes, config.rdzv_timeout, config.last_call, poll=0.01)
+    errors: list[BaseException] = []
+
+    def body():
+        try:
+            script(rdzv)
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            errors.append(error)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, errors
+
+
+def _node1_failure():
+    from spmd.launch.workers import Failure
+
+    return Failure(rank=1, local_rank=0, node_rank=1, host="node1", returncode=3, detail="Traceback (most recent call last):\nOSError: disk full")
+
+
+def _membership(num_nodes: int, round_: int = 0):
+    from spmd.launch.rendezvous import Membership
+
+    return Membership(round=round_, node_rank=0, num_nodes=num_nodes, nprocs=(1,) * num_nodes, hosts=("127.0.0.1",) * num_nodes,
+                      master_addr="127.0.0.1", master_port=1)
+
+
+def _wait_store(condition, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_monitor_sees_a_failed_round_even_when_its_own_workers_all_exited_0(monkeypatch, tmp_path):
+    """The round's ``failed`` key is looked at before local success is trusted (it said "done")."""
+    import torch.distributed as tdist
+
+    from spmd.launch.rendezvous import Rendezvous
+
+    store = tdist.HashStore()
+    agent = _agent(monkeypatch, tmp_path, store, hosting=True)
+    rdzv = Rendezvous(store, "unit", 2, 2, 30, 0)
+    rdzv.set(0, "failed", _node1_failure().to_json())
+    agent.group = FakeGroup(agent.config, None, 0, tmp_path)
+    outcome, failure = agent._monitor(rdzv, _membership(num_nodes=2))
+    assert (outcome, failure) == ("failed", _node1_failure())
+
+
+@pytest.mark.parametrize("hosting", [True, False])
+def test_a_node_whose_workers_succeeded_reports_a_later_failure_elsewhere(monkeypatch, tmp_path, capsys, hosting):
+    """Node 0's workers all exit 0; then a rank on node 1 fails for good. Node 0's agent exits with that rank's
+    code and the summary (it exited 0: the job read as a success)."""
+    import torch.distributed as tdist
+
+    store = tdist.HashStore()
+    agent = _agent(monkeypatch, tmp_path, store, hosting=hosting)
+
+    def node1(rdzv):
+        rdzv.join(1, 1, "node1")
+        _wait_store(lambda: int(rdzv.store.add(rdzv.key(0, "done"), 0)) == 1)  # node 0's workers are done
+        rdzv.store.compare_set(rdzv.key(0, "failed"), "", _node1_failure().to_json())
+        rdzv.store.set("shutdown", "job failed: rank 1 exited with code 3")  # no restarts left: node 1's agent exits
+
+    thread, errors = _other_node(store, node1)
+    code = agent.run()
+    thread.join(30)
+    assert not errors, errors
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "job failed; restarts used 0/0" in err and "rank 1 (local rank 0) on node 1 (node1) exited with code 3" in err
+    assert "OSError: disk full" in err  # node 1's last words: node 0's terminal did not show them
+
+
+def test_a_node_whose_workers_succeeded_takes_part_in_the_restart(monkeypatch, tmp_path, capsys):
+    """With a restart left, node 0 (workers done) rejoins when node 1 fails, so the restart can form; the job
+    then succeeds in round 1 (node 0 exited 0 at once, and node 1 waited for it until the rendezvous timed out)."""
+    import torch.distributed as tdist
+
+    store = tdist.HashStore()
+    agent = _agent(monkeypatch, tmp_path, store, hosting=False, max_restarts=1)
+
+    def node1(rdzv):
+        rdzv.join(1, 1, "node1")
+        _wait_store(lambda: int(rdzv.store.add(rdzv.key(0, "done"), 0)) == 1)
+        rdzv.store.compare_set(rdzv.key(0, "failed"), "", _node1_failure().to_json())
+        rdzv.advance_from(0)
+        assert rdzv.join(1, 1, "node1").round == 1
+        rdzv.store.add(rdzv.key(1, "done"), 1)  # node 1's workers succeed this time
+        _wait_store(lambda: int(rdzv.store.add(rdzv.key(1, "done"), 0)) == 2)
+
+    thread, errors = _other_node(store, node1)
+    code = agent.run()
+    thread.join(30)
+    assert not errors, errors
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert [g.restart for g in FakeGroup.made] == [0, 1] and [g.membership.round for g in FakeGroup.made] == [0, 1]
+    assert "rank 1 (local rank 0) on node 1 (node1) exited with code 3; restarting the group (1/1)" in err
+
+
+def test_a_node_whose_workers_succeeded_follows_the_job_into_a_new_round_and_ignores_late_joins(monkeypatch, tmp_path):
+    """Once a node's workers finished, the running agents no longer restart the job for a newcomer; an agent whose
+    workers finished and whose round was moved on anyway (the two crossed) goes with it instead of waiting alone."""
+    import torch.distributed as tdist
+
+    from spmd.launch.rendezvous import Rendezvous
+
+    store = tdist.HashStore()
+    agent = _agent(monkeypatch, tmp_path, store, hosting=False)
+    rdzv = Rendezvous(store, "unit", 2, 3, 30, 0)
+    agent.group = FakeGroup(agent.config, None, 0, tmp_path)
+    agent.group.result = (False, None)  # still running
+    rdzv.set(0, "join", "node2")
+    rdzv.store.add(rdzv.key(0, "done"), 1)  # node 1's workers finished
+    threading.Timer(0.5, lambda: rdzv.store.set("shutdown", "test over")).start()
+    assert agent._monitor(rdzv, _membership(num_nodes=2)) == ("shutdown", None)  # not "join"
+
+    rdzv.advance_from(0)  # the other agent had taken the join before node 1 finished
+    assert agent._await_job(rdzv, 0, 2, hosting=False) == ("join", None)

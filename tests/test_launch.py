@@ -377,10 +377,11 @@ class FakeGroup:
     """Stands in for WorkerGroup: its workers 'exit' as ``result`` says; ``stop`` only records the signal."""
 
     made: list[FakeGroup] = []
+    first_result: tuple = (True, None)  # what a new group's poll says: (all exited 0, failure)
 
     def __init__(self, config, membership, restart, run_dir, log_root=None):
         self.membership, self.restart = membership, restart
-        self.result: tuple = (True, None)  # (all exited 0, failure)
+        self.result = FakeGroup.first_result
         self.stopped: list[int] = []
         self.on_stop = lambda: None
         FakeGroup.made.append(self)
@@ -426,7 +427,7 @@ def _agent(monkeypatch, tmp_path, store, hosting: bool, endpoint: str = "127.0.0
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(agent_module.Agent, "_rendezvous", rendezvous)
     monkeypatch.setattr(agent_module, "WorkerGroup", FakeGroup)
-    FakeGroup.made = []
+    FakeGroup.made, FakeGroup.first_result = [], (True, None)
     return agent_module.Agent(config)
 
 
@@ -555,3 +556,69 @@ def test_a_node_whose_workers_succeeded_follows_the_job_into_a_new_round_and_ign
 
     rdzv.advance_from(0)  # the other agent had taken the join before node 1 finished
     assert agent._await_job(rdzv, 0, 2, hosting=False) == ("join", None)
+
+
+def _hosted_store():
+    """A TCPStore server in this process (a list holding it: clear the list to take the store down) and a client."""
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    server = tdist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    client = tdist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=30))
+    return [server], client, f"127.0.0.1:{server.port}"
+
+
+def _client(endpoint: str):
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    host, _, port = endpoint.rpartition(":")
+    return tdist.TCPStore(host, int(port), None, False, timedelta(seconds=30))
+
+
+def test_losing_the_store_stops_the_workers_gracefully_and_says_so(monkeypatch, tmp_path, capfd):
+    """The agent hosting the store dies while this one watches its workers: one line saying what happened, the
+    workers stopped with SIGTERM and the grace period, exit code 1 (a traceback escaped, the workers got PDEATHSIG)."""
+    holder, client, endpoint = _hosted_store()
+    agent = _agent(monkeypatch, tmp_path, client, hosting=False, endpoint=endpoint, node_rank=1)
+
+    def node0(rdzv):
+        rdzv.join(1, 0, "node0")
+        _wait_store(lambda: bool(FakeGroup.made))
+        time.sleep(0.2)
+        holder.clear()  # node 0's agent dies, and its store with it
+
+    FakeGroup.first_result = (False, None)  # the workers run on
+    thread, errors = _other_node(_client(endpoint), node0)
+    code = agent.run()
+    thread.join(30)
+    assert not errors, errors
+    err = capfd.readouterr().err
+    assert code == 1, err
+    assert f"spmd run: lost the rendezvous store at {endpoint}: the agent hosting it exited or died" in err
+    assert "Traceback" not in err
+    assert FakeGroup.made[0].stopped == [signal.SIGTERM]
+
+
+def test_a_stop_request_is_reported_when_its_sender_takes_the_store_down_meanwhile(monkeypatch, tmp_path, capfd):
+    """Node 0 got SIGTERM: it publishes the reason, stops its workers and exits with its store while this agent's
+    workers get their grace period; the reason was read after that, from a store already gone."""
+    holder, client, endpoint = _hosted_store()
+    agent = _agent(monkeypatch, tmp_path, client, hosting=False, endpoint=endpoint, node_rank=1)
+
+    def node0(rdzv):
+        rdzv.join(1, 0, "node0")
+        _wait_store(lambda: bool(FakeGroup.made))
+        FakeGroup.made[0].on_stop = holder.clear  # node 0 exits during this node's grace period
+        rdzv.store.set("shutdown", "agent on node0 received SIGTERM")
+
+    FakeGroup.first_result = (False, None)  # the workers run on
+    thread, errors = _other_node(_client(endpoint), node0)
+    code = agent.run()
+    thread.join(30)
+    assert not errors, errors
+    err = capfd.readouterr().err
+    assert code == 1, err
+    assert "spmd run: job stopped: agent on node0 received SIGTERM" in err and "Traceback" not in err

@@ -7,7 +7,8 @@ at once; the group restarts in a new round until ``--max-restarts`` is used
 up, then the agent exits with the failing worker's code and a summary. A
 newcomer (elastic MIN:MAX) asks for a new round, which restarts the workers
 with the new world size without using up a restart. SIGINT/SIGTERM reach
-every worker, and every agent of the job.
+every worker, and every agent of the job. An agent that loses the store (the
+agent hosting it died) says so, stops its workers gracefully and exits 1.
 
 Every agent reports the job's outcome, not only its own node's: an agent
 whose workers all exited 0 waits (at most ``--rdzv-timeout``) until every
@@ -29,6 +30,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
+
+import torch.distributed as tdist
 
 from spmd.comm.tcp_store import job_scope
 from spmd.errors import SpmdError
@@ -100,6 +103,15 @@ class Agent:
             if self.group is not None:
                 self.group.stop()
             return 1
+        except tdist.DistError as error:  # the store's client: its server, in another agent, is gone
+            endpoint = getattr(self, "_endpoint", "?")
+            if isinstance(error, tdist.DistNetworkError):
+                _say(f"lost the rendezvous store at {endpoint}: the agent hosting it exited or died")
+            else:
+                _say(f"the rendezvous store at {endpoint} failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+            if self.group is not None:
+                self.group.stop()
+            return 1
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -137,9 +149,11 @@ class Agent:
                 outcome, failure = self._await_job(rdzv, round_, membership.num_nodes, hosting)
                 if outcome == "done":
                     return 0
+            # (the reason is read before the grace period: the agent that sent it may take the store down meanwhile)
+            reason = rdzv.shutdown_requested() if outcome == "shutdown" else None
             self.group.stop()
             if outcome == "shutdown":
-                _say(f"job stopped: {rdzv.shutdown_requested()}")
+                _say(f"job stopped: {reason}")
                 return 1
             if outcome == "join":
                 _say(f"a node asked to join; restarting round {round_} as round {round_ + 1}")

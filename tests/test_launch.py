@@ -545,7 +545,7 @@ def test_a_node_whose_workers_succeeded_follows_the_job_into_a_new_round_and_ign
     from spmd.launch.rendezvous import Rendezvous
 
     store = tdist.HashStore()
-    agent = _agent(monkeypatch, tmp_path, store, hosting=False)
+    agent = _agent(monkeypatch, tmp_path, store, hosting=False, max_nodes=3)
     rdzv = Rendezvous(store, "unit", 2, 3, 30, 0)
     agent.group = FakeGroup(agent.config, None, 0, tmp_path)
     agent.group.result = (False, None)  # still running
@@ -622,3 +622,21 @@ def test_a_stop_request_is_reported_when_its_sender_takes_the_store_down_meanwhi
     err = capfd.readouterr().err
     assert code == 1, err
     assert "spmd run: job stopped: agent on node0 received SIGTERM" in err and "Traceback" not in err
+
+
+def test_a_full_round_is_not_restarted_for_a_join_request(monkeypatch, tmp_path):
+    """A round that has --nnodes' maximum of nodes ignores a join request (a surplus agent's ask restarted it)."""
+    import torch.distributed as tdist
+
+    from spmd.launch.rendezvous import Rendezvous
+
+    store = tdist.HashStore()
+    agent = _agent(monkeypatch, tmp_path, store, hosting=True, min_nodes=1, max_nodes=2)
+    rdzv = Rendezvous(store, "unit", 1, 2, 30, 0)
+    agent.group = FakeGroup(agent.config, None, 0, tmp_path)
+    agent.group.result = (False, None)
+    rdzv.set(0, "join", "node2")
+    threading.Timer(0.5, lambda: rdzv.store.set("shutdown", "test over")).start()
+    assert agent._monitor(rdzv, _membership(num_nodes=2)) == ("shutdown", None)  # full: not "join"
+    rdzv.store.delete_key("shutdown")
+    assert agent._monitor(rdzv, _membership(num_nodes=1)) == ("join", None)  # room for one more

@@ -185,8 +185,8 @@ class Agent:
                 return "done", None
             if rdzv.store.check(["shutdown"]):
                 return "shutdown", None
-            if rdzv.store.check([join_key]) and self.config.max_nodes > 1 and not int(rdzv.store.add(rdzv.key(round_, "done"), 0)):
-                return "join", None  # (not once a node's workers finished: the job is ending, not restarted for a newcomer)
+            if rdzv.store.check([join_key]) and membership.num_nodes < self.config.max_nodes and not int(rdzv.store.add(rdzv.key(round_, "done"), 0)):
+                return "join", None  # (not into a full round, nor once a node's workers finished: that job is ending)
             time.sleep(self.config.monitor_interval)
 
     def _await_job(self, rdzv: Rendezvous, round_: int, num_nodes: int, hosting: bool) -> tuple[str, Failure | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -640,3 +641,94 @@ def test_a_full_round_is_not_restarted_for_a_join_request(monkeypatch, tmp_path)
     assert agent._monitor(rdzv, _membership(num_nodes=2)) == ("shutdown", None)  # full: not "join"
     rdzv.store.delete_key("shutdown")
     assert agent._monitor(rdzv, _membership(num_nodes=1)) == ("join", None)  # room for one more
+
+
+# -- forwarding worker output ---------------------------------------------------------------------------------------
+
+
+class _Console:
+    """A console that records what reached it, and when something first did."""
+
+    def __init__(self):
+        self.data = bytearray()
+        self.got = threading.Event()
+
+    def write(self, data):
+        self.data += data
+        self.got.set()
+        return len(data)
+
+    def flush(self):
+        pass
+
+
+def test_a_progress_bar_reaches_the_console_as_it_moves(tmp_path):
+    """tqdm redraws one line with \\r and writes \\n only at the end: each update is forwarded as it comes,
+    to the console (prefixed at each redraw under --tee) and to the log file (nothing showed before the \\n)."""
+    from spmd.launch.workers import _Sink
+
+    console = _Console()
+    log = open(tmp_path / "stderr.log", "wb")  # noqa: SIM115 - the sink closes it
+    read, write = os.pipe()
+    sink = _Sink(console, b"[rank0]: ", log, None)
+    with os.fdopen(read, "rb") as r, os.fdopen(write, "wb", buffering=0) as w:
+        thread = threading.Thread(target=sink.pump, args=(r,), daemon=True)
+        thread.start()
+        w.write(b"  0%|          | 0/10")
+        assert console.got.wait(30), "the first update never reached the console"
+        w.write(b"\r 10%|#         | 1/10")
+        _wait_for(lambda: b"1/10" in console.data, 30, "the second update")
+        w.write(b"\r100%|##########| 10/10\n")
+        w.close()
+        thread.join(30)
+    assert bytes(console.data) == b"[rank0]:   0%|          | 0/10\r[rank0]:  10%|#         | 1/10\r[rank0]: 100%|##########| 10/10\n"
+    assert (tmp_path / "stderr.log").read_bytes() == b"  0%|          | 0/10\r 10%|#         | 1/10\r100%|##########| 10/10\n"
+
+
+def test_a_huge_line_without_newline_is_not_kept_whole_for_the_summary(tmp_path):
+    """A worker writes 1 MiB with no newline, then fails: the log file gets it all, the tail kept for the failure
+    summary only each line's end (the whole 'line' was held, twice, and went into the summary)."""
+    import collections
+
+    from spmd.launch.workers import TAIL_LINE_BYTES, _last_traceback, _Sink
+
+    tail: collections.deque = collections.deque(maxlen=40)
+    blob = b"x" * (1 << 20)
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as w:
+        threading.Thread(target=lambda: (w.write(blob + b"\nTraceback (most recent call last):\nValueError: boom\n"), w.close()), daemon=True).start()
+        with os.fdopen(read, "rb") as r, open(tmp_path / "stderr.log", "wb") as log:
+            _Sink(None, b"", log, tail).pump(r)
+    assert (tmp_path / "stderr.log").stat().st_size == len(blob) + 53
+    assert [len(line) for line in tail] == [TAIL_LINE_BYTES, 34, 16]
+    assert _last_traceback(list(tail)) == "Traceback (most recent call last):\nValueError: boom"
+
+
+class _Chunks(io.RawIOBase):
+    """A stream that yields the given chunks, one per read."""
+
+    def __init__(self, chunks):
+        self.chunks = list(chunks)
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        if not self.chunks:
+            return 0
+        chunk = self.chunks.pop(0)
+        buffer[: len(chunk)] = chunk
+        return len(chunk)
+
+
+def test_tee_prefixes_line_starts_however_the_output_is_cut_into_chunks():
+    """A line that already carries the prefix (torch's excepthook) is recognised even when a read ends inside it."""
+    from spmd.launch.workers import _Sink
+
+    text = b"[rank0]: Traceback (most recent call last):\n\nplain [rank0]: \r\nbar 1\rbar 2\r[rank0]: x\n[rank"
+    expected = b"[rank0]: Traceback (most recent call last):\n[rank0]: \n[rank0]: plain [rank0]: \r\n[rank0]: bar 1\r[rank0]: bar 2\r[rank0]: x\n[rank0]: [rank"
+    for size in (1, 2, 3, 5, 8, 9, 10, len(text)):
+        console = _Console()
+        stream = io.BufferedReader(_Chunks(text[i:i + size] for i in range(0, len(text), size)))
+        _Sink(console, b"[rank0]: ", None, None).pump(stream)
+        assert bytes(console.data) == expected, size

@@ -103,12 +103,12 @@ class Agent:
             if self.group is not None:
                 self.group.stop()
             return 1
-        except tdist.DistError as error:  # the store's client: its server, in another agent, is gone
-            endpoint = getattr(self, "_endpoint", "?")
+        except tdist.DistError as error:  # from the store's client: the store, in another agent, is gone (or stuck)
             if isinstance(error, tdist.DistNetworkError):
-                _say(f"lost the rendezvous store at {endpoint}: the agent hosting it exited or died")
+                what = "the agent hosting it exited or died"
             else:
-                _say(f"the rendezvous store at {endpoint} failed: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+                what = (str(error).splitlines() or [type(error).__name__])[0]
+            _say(f"lost the rendezvous store at {getattr(self, '_endpoint', '?')}: {what}")
             if self.group is not None:
                 self.group.stop()
             return 1

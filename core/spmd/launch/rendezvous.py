@@ -12,7 +12,8 @@ namespace that every agent polls.
 Keys (under ``rdzv/<id>/``): ``round``; per round ``r<N>/arrivals``,
 ``r<N>/node<i>`` (json: host, nproc, requested node rank), ``r<N>/closed``
 (number of members), ``r<N>/master``, ``r<N>/failed``, ``r<N>/join``,
-``r<N>/done`` (a counter), and ``shutdown``.
+``r<N>/done`` (a counter), ``r<N>/left`` (agents that saw every node done:
+the one hosting the store leaves after them), and ``shutdown``.
 """
 
 from __future__ import annotations

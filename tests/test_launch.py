@@ -685,6 +685,33 @@ def test_a_progress_bar_reaches_the_console_as_it_moves(tmp_path):
     assert (tmp_path / "stderr.log").read_bytes() == b"  0%|          | 0/10\r 10%|#         | 1/10\r100%|##########| 10/10\n"
 
 
+def test_a_line_written_in_two_flushes_reaches_the_console_whole():
+    """A worker's stdout into a pipe is flushed in 8 KiB blocks, which cut lines: the console gets each
+    line in one write, so two ranks' lines never mix mid-line (only a line left unfinished for
+    PARTIAL_LINE_S is forwarded as is)."""
+    from spmd.launch.workers import _Sink
+
+    writes: list[bytes] = []
+
+    class Recording(_Console):
+        def write(self, data):
+            writes.append(bytes(data))
+            return super().write(data)
+
+    read, write = os.pipe()
+    sink = _Sink(Recording(), b"[rank1]: ", None, None)
+    with os.fdopen(read, "rb") as r, os.fdopen(write, "wb", buffering=0) as w:
+        thread = threading.Thread(target=sink.pump, args=(r,), daemon=True)
+        thread.start()
+        w.write(b"step 1 loss 0.5\nstep 2 lo")  # a block flushed in the middle of a line
+        time.sleep(0.02)
+        w.write(b"ss 0.4\n")
+        w.close()
+        thread.join(30)
+    assert b"".join(writes) == b"[rank1]: step 1 loss 0.5\n[rank1]: step 2 loss 0.4\n"
+    assert all(chunk.endswith(b"\n") for chunk in writes), writes
+
+
 def test_a_huge_line_without_newline_is_not_kept_whole_for_the_summary(tmp_path):
     """A worker writes 1 MiB with no newline, then fails: the log file gets it all, the tail kept for the failure
     summary only each line's end (the whole 'line' was held, twice, and went into the summary)."""

@@ -14,6 +14,7 @@ import ctypes
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -33,6 +34,10 @@ TAIL_LINES = 40
 TAIL_LINE_BYTES = 4096
 #: The most one read of a worker's output takes; it is forwarded at once.
 READ_BYTES = 65536
+#: How long the end of a line that has not ended yet waits for the rest before it is forwarded as is:
+#: a worker's output into a pipe is flushed in 8 KiB blocks, and forwarding those as they come would
+#: mix the ranks' lines mid-line, while a progress bar or a prompt must still show.
+PARTIAL_LINE_S = 0.2
 
 
 def _die_with_parent() -> None:
@@ -213,12 +218,29 @@ class _Sink:
         ``head`` that exited, a full disk) is dropped with one note and the stream is
         still drained: a worker must never block writing to a pipe nobody reads.
         """
-        read = getattr(stream, "read1", stream.read)  # read1: what one read of the pipe gives, without waiting for more
-        while chunk := read(READ_BYTES):
+        fd = _fileno(stream)
+        if fd is not None:  # a pipe: read what is there, and see whether more comes within PARTIAL_LINE_S
+            def read(size: int) -> bytes:
+                return os.read(fd, size)
+        else:
+            read = getattr(stream, "read1", stream.read)  # read1: what one read gives, without waiting for more
+        held = b""  # the start of a line that has not ended yet
+        while True:
+            if held and fd is not None and not select.select([fd], [], [], PARTIAL_LINE_S)[0]:
+                self._to_console(self.prefixer.feed(held))  # nothing more came: a progress bar, a prompt
+                held = b""
+            chunk = read(READ_BYTES)
+            if not chunk:
+                break
             self._to_log(chunk)
-            self._to_console(self.prefixer.feed(chunk))
             self._keep(chunk)
-        self._to_console(self.prefixer.flush())
+            data = held + chunk
+            cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1  # forward whole lines (\r ends a redrawn one)
+            if fd is None or len(data) - cut > READ_BYTES:
+                cut = len(data)  # (no way to wait for more, or a line too long to hold)
+            self._to_console(self.prefixer.feed(data[:cut]))
+            held = data[cut:]
+        self._to_console(self.prefixer.feed(held) + self.prefixer.flush())
         if self.tail is not None and self.line:
             self.tail.append(_visible(self.line))
         stream.close()
@@ -427,6 +449,14 @@ def _error_file_message(path: Path) -> str:
         extra = message.get("extraInfo", {})
         return str(extra.get("py_callstack") or message.get("message", ""))
     return str(message)
+
+
+def _fileno(stream: IO[bytes]) -> int | None:
+    """The stream's file descriptor, or None (a stream that has none)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is both OSError and ValueError)
+        return None
 
 
 def _visible(line: bytes) -> str:

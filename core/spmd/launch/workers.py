@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -219,9 +220,9 @@ class _Sink:
         still drained: a worker must never block writing to a pipe nobody reads.
         """
         fd = _fileno(stream)
+        read: Callable[[int], bytes]
         if fd is not None:  # a pipe: read what is there, and see whether more comes within PARTIAL_LINE_S
-            def read(size: int) -> bytes:
-                return os.read(fd, size)
+            read = functools.partial(os.read, fd)
         else:
             read = getattr(stream, "read1", stream.read)  # read1: what one read gives, without waiting for more
         held = b""  # the start of a line that has not ended yet

@@ -7,7 +7,16 @@ at once; the group restarts in a new round until ``--max-restarts`` is used
 up, then the agent exits with the failing worker's code and a summary. A
 newcomer (elastic MIN:MAX) asks for a new round, which restarts the workers
 with the new world size without using up a restart. SIGINT/SIGTERM reach
-every worker, and every agent of the job.
+every worker, and every agent of the job. An agent that loses the store (the
+agent hosting it died) says so, stops its workers gracefully and exits 1.
+
+Every agent reports the job's outcome, not only its own node's: an agent
+whose workers all exited 0 waits (at most ``--rdzv-timeout``) until every
+node's workers did. If a worker elsewhere fails meanwhile, it takes part in
+the restart like the others (its workers start again), or, with no restart
+left, exits with that worker's code and the summary. (torchrun exits 0 there
+after its exit barrier.) A job whose workers have begun finishing is not
+restarted for a newcomer.
 """
 
 from __future__ import annotations
@@ -22,10 +31,18 @@ from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
+import torch.distributed as tdist
+
 from spmd.comm.tcp_store import job_scope
 from spmd.errors import SpmdError
 from spmd.launch.args import RunConfig
-from spmd.launch.rendezvous import Rendezvous, connect_store, free_port, local_address_towards
+from spmd.launch.rendezvous import (
+    Membership,
+    Rendezvous,
+    connect_store,
+    free_port,
+    local_address_towards,
+)
 from spmd.launch.workers import Failure, WorkerGroup, make_log_root
 
 
@@ -86,6 +103,15 @@ class Agent:
             if self.group is not None:
                 self.group.stop()
             return 1
+        except tdist.DistError as error:  # from the store's client: the store, in another agent, is gone (or stuck)
+            if isinstance(error, tdist.DistNetworkError):
+                what = "the agent hosting it exited or died"
+            else:
+                what = (str(error).splitlines() or [type(error).__name__])[0]
+            _say(f"lost the rendezvous store at {getattr(self, '_endpoint', '?')}: {what}")
+            if self.group is not None:
+                self.group.stop()
+            return 1
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -117,16 +143,17 @@ class Agent:
                 )
             self.group = WorkerGroup(c, membership, self.restarts, self.run_dir / f"round{round_}", self.log_root)
             self.group.start()
-            outcome, failure = self._monitor(rdzv, round_)
+            outcome, failure = self._monitor(rdzv, membership)
             if outcome == "done":
                 self.group.drain()  # every line the workers wrote reaches the console and the log files
-                rdzv.store.add(rdzv.key(round_, "done"), 1)
-                if hosting:  # the store must outlive every other agent's last look at it
-                    self._wait_others_done(rdzv, round_, membership.num_nodes)
-                return 0
+                outcome, failure = self._await_job(rdzv, round_, membership.num_nodes, hosting)
+                if outcome == "done":
+                    return 0
+            # (the reason is read before the grace period: the agent that sent it may take the store down meanwhile)
+            reason = rdzv.shutdown_requested() if outcome == "shutdown" else None
             self.group.stop()
             if outcome == "shutdown":
-                _say(f"job stopped: {rdzv.shutdown_requested()}")
+                _say(f"job stopped: {reason}")
                 return 1
             if outcome == "join":
                 _say(f"a node asked to join; restarting round {round_} as round {round_ + 1}")
@@ -141,8 +168,10 @@ class Agent:
             _say(f"{failure.summary().splitlines()[0]}; restarting the group ({self.restarts}/{c.max_restarts})")
             rdzv.advance_from(round_)
 
-    def _monitor(self, rdzv: Rendezvous, round_: int) -> tuple[str, Failure | None]:
+    def _monitor(self, rdzv: Rendezvous, membership: Membership) -> tuple[str, Failure | None]:
+        """Watch this node's workers and the round's keys until one says how the round goes on."""
         assert self.group is not None
+        round_ = membership.round
         failed_key = rdzv.key(round_, "failed")
         join_key = rdzv.key(round_, "join")
         while True:
@@ -150,22 +179,52 @@ class Agent:
             if failure is not None:
                 rdzv.store.compare_set(failed_key, "", failure.to_json())  # the first failure wins
                 return "failed", Failure.from_json(rdzv.store.get(failed_key).decode())
+            if rdzv.store.check([failed_key]):  # before trusting `done`: another node's failure fails the round
+                return "failed", Failure.from_json(rdzv.store.get(failed_key).decode())
             if done:
                 return "done", None
-            if rdzv.store.check([failed_key]):
-                return "failed", Failure.from_json(rdzv.store.get(failed_key).decode())
             if rdzv.store.check(["shutdown"]):
                 return "shutdown", None
-            if rdzv.store.check([join_key]) and self.config.max_nodes > 1:
-                return "join", None
+            if rdzv.store.check([join_key]) and membership.num_nodes < self.config.max_nodes and not int(rdzv.store.add(rdzv.key(round_, "done"), 0)):
+                return "join", None  # (not into a full round, nor once a node's workers finished: that job is ending)
             time.sleep(self.config.monitor_interval)
 
-    def _wait_others_done(self, rdzv: Rendezvous, round_: int, num_nodes: int) -> None:
+    def _await_job(self, rdzv: Rendezvous, round_: int, num_nodes: int, hosting: bool) -> tuple[str, Failure | None]:
+        """This node's workers all exited 0: wait (at most --rdzv-timeout) for the round's outcome on every node.
+
+        Returns ("done", None) when every node's workers succeeded, ("failed", failure) when a worker
+        elsewhere failed (this agent then takes part in the restart or reports it), ("join", None) when the
+        other agents moved to a new round for a newcomer, or ("shutdown", None). The agent hosting the
+        store leaves last: it waits for every other agent to have seen the outcome.
+        """
+        done_key, failed_key = rdzv.key(round_, "done"), rdzv.key(round_, "failed")
+        rdzv.store.add(done_key, 1)
         deadline = time.monotonic() + self.config.rdzv_timeout
-        while int(rdzv.store.add(rdzv.key(round_, "done"), 0)) < num_nodes and time.monotonic() < deadline:
-            if rdzv.store.check([rdzv.key(round_, "failed"), "shutdown"]):
-                return
+        while True:
+            moved = rdzv.current_round() > round_  # read before `failed`: a failing agent sets it before moving the round
+            if rdzv.store.check([failed_key]):
+                return "failed", Failure.from_json(rdzv.store.get(failed_key).decode())
+            if moved:
+                return "join", None
+            finished = int(rdzv.store.add(done_key, 0))
+            if finished >= num_nodes:
+                break
+            if rdzv.store.check(["shutdown"]):
+                return "shutdown", None
+            if time.monotonic() > deadline:
+                _say(f"this node's workers finished, but {num_nodes - finished} of {num_nodes} nodes were still running after "
+                     f"{self.config.rdzv_timeout:.0f} s (--rdzv-timeout); exiting 0 without the job's outcome"
+                     + (" (the rendezvous store this agent hosts goes with it)" if hosting else ""))
+                return "done", None
             time.sleep(self.config.monitor_interval)
+        left_key = rdzv.key(round_, "left")
+        if not hosting:
+            rdzv.store.add(left_key, 1)  # the host may take the store down now
+            return "done", None
+        deadline = time.monotonic() + self.config.rdzv_timeout
+        while int(rdzv.store.add(left_key, 0)) < num_nodes - 1 and time.monotonic() < deadline:
+            time.sleep(self.config.monitor_interval)  # every other agent's last look at the store comes first
+        return "done", None
 
 
 def run(config: RunConfig) -> int:

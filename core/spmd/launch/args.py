@@ -136,7 +136,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--node-rank", "--node_rank", type=int, default=None, help="this node's rank (static); default: order of arrival")
     add("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="host:port of the rendezvous store (one agent hosts it)")
     add("--rdzv-id", "--rdzv_id", default="none", help="job id: agents with the same id form one job")
-    add("--rdzv-timeout", type=float, default=300.0, help="seconds to wait for MIN nodes at each rendezvous")
+    add("--rdzv-timeout", type=float, default=300.0, help="seconds to wait for MIN nodes at each rendezvous, and for the other nodes once this node's workers finished")
     add("--last-call", type=float, default=2.0, help="seconds to wait for more nodes once MIN arrived (elastic)")
     add("--rdzv-token", "--rdzv_token", default=None,
         help="job token (default: $SPMD_RDZV_TOKEN): the same on every node; without it nobody can read, write or stop the job's store keys")

@@ -4,13 +4,16 @@ One agent hosts a TCPStore at the rendezvous endpoint; every agent joins the
 current round by incrementing an arrival counter. The round closes when
 ``max_nodes`` arrived, or ``min_nodes`` arrived and ``last_call`` seconds passed
 with no newcomer. Agents that arrive after it closed ask the running agents to
-start a new round (elastic scale-up). A failure, a join request or a shutdown
-is a key in the round's namespace that every agent polls.
+start a new round (elastic scale-up), unless it closed with ``max_nodes``: then
+they wait, without disturbing it, for a later round (one forms after a
+failure). A failure, a join request or a shutdown is a key in the round's
+namespace that every agent polls.
 
 Keys (under ``rdzv/<id>/``): ``round``; per round ``r<N>/arrivals``,
 ``r<N>/node<i>`` (json: host, nproc, requested node rank), ``r<N>/closed``
 (number of members), ``r<N>/master``, ``r<N>/failed``, ``r<N>/join``,
-``r<N>/done`` (a counter), and ``shutdown``.
+``r<N>/done`` (a counter), ``r<N>/left`` (agents that saw every node done:
+the one hosting the store leaves after them), and ``shutdown``.
 """
 
 from __future__ import annotations
@@ -138,9 +141,14 @@ class Rendezvous:
         while True:
             round_ = self.current_round()
             if self.flag(round_, "closed"):
-                # Too late for this round: ask the running agents for a new one, then wait for it.
-                self.set(round_, "join", host)
-                self._wait(lambda closed=round_: self.current_round() > closed, deadline, "a new round after asking to join")
+                if int(self.get(round_, "closed")) < self.max_nodes:
+                    # Too late for this round, which has room: ask the running agents for a new one, then wait for it.
+                    self.set(round_, "join", host)
+                    what = "a new round after asking to join"
+                else:
+                    # The round is full: leave it alone (as torchrun's redundancy list) and take a later one if one forms.
+                    what = f"a place in the job (round {round_} has the most nodes, {self.max_nodes}; a later round may take this agent)"
+                self._wait(lambda closed=round_: self.current_round() > closed, deadline, what)
                 continue
             index = int(self.store.add(self.key(round_, "arrivals"), 1)) - 1
             self.set(round_, f"node{index}", json.dumps({"host": host, "nproc": nproc, "node_rank": node_rank}))

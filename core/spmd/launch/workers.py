@@ -2,24 +2,27 @@
 
 Workers get torchrun's environment, their own session (so a stop reaches
 their children too) and PR_SET_PDEATHSIG (so none outlives a killed agent).
-Their stdout/stderr pass through reader threads: to the console (prefixed by
-rank under --tee), to per-rank log files, and into a short tail kept for the
-failure summary.
+Their stdout/stderr pass through reader threads, chunk by chunk as written:
+to the console (each line prefixed by rank under --tee), to per-rank log
+files, and into a short tail kept for the failure summary.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import json
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -28,6 +31,14 @@ from spmd.launch.args import RunConfig
 from spmd.launch.rendezvous import Membership
 
 TAIL_LINES = 40
+#: Of a longer line of a worker's stderr, the tail kept for the failure summary keeps the end.
+TAIL_LINE_BYTES = 4096
+#: The most one read of a worker's output takes; it is forwarded at once.
+READ_BYTES = 65536
+#: How long the end of a line that has not ended yet waits for the rest before it is forwarded as is:
+#: a worker's output into a pipe is flushed in 8 KiB blocks, and forwarding those as they come would
+#: mix the ranks' lines mid-line, while a progress bar or a prompt must still show.
+PARTIAL_LINE_S = 0.2
 
 
 def _die_with_parent() -> None:
@@ -139,42 +150,134 @@ def worker_env(config: RunConfig, m: Membership, local_rank: int, restart: int, 
     return env
 
 
+class _Prefixer:
+    """Puts a rank's prefix at each line start of output that arrives in chunks.
+
+    A line starts after ``\n``, and after a ``\r`` that is not half of ``\r\n`` (a progress bar
+    redrawn with ``\r`` keeps its prefix). A line that already starts with the prefix (torch's
+    excepthook writes it) gets none; a line's first bytes that may still turn out to be the prefix
+    wait for the next chunk.
+    """
+
+    def __init__(self, prefix: bytes) -> None:
+        self.prefix = prefix
+        self.at_start, self.after_cr = True, False
+        self.held = b""
+
+    def feed(self, data: bytes) -> bytes:
+        if not self.prefix:
+            return data
+        data, self.held = self.held + data, b""
+        out: list[bytes] = []
+        i = 0
+        while i < len(data):
+            if self.at_start:
+                first = data[i:i + 1]
+                if first == b"\r" or (first == b"\n" and self.after_cr):
+                    out.append(first)  # a line that is only \r, or the \n of \r\n: nothing to prefix
+                    self.after_cr = first == b"\r"
+                    i += 1
+                    continue
+                head = data[i:i + len(self.prefix)]
+                if len(head) < len(self.prefix) and self.prefix.startswith(head):
+                    self.held = head  # the chunk ends here: wait for the rest of the line's start
+                    break
+                if head != self.prefix:
+                    out.append(self.prefix)
+                self.at_start = self.after_cr = False
+            end = _LINE_END.search(data, i)
+            if end is None:
+                out.append(data[i:])
+                break
+            out.append(data[i:end.end()])
+            self.at_start, self.after_cr = True, end.group() == b"\r"
+            i = end.end()
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """What is still held at the end of the stream (a line's start that was not the prefix after all)."""
+        held, self.held = self.held, b""
+        return self.prefix + held if held else b""
+
+
+_LINE_END = re.compile(rb"[\r\n]")
+
+
 class _Sink:
     """Where one stream of one worker goes: console (maybe prefixed), a file, the tail."""
 
     def __init__(self, console: IO[bytes] | None, prefix: bytes, log: IO[bytes] | None, tail: collections.deque | None) -> None:
         self.console, self.prefix, self.log, self.tail = console, prefix, log, tail
-        self.lock = threading.Lock()
+        self.prefixer = _Prefixer(prefix)
+        self.line = b""  # the tail's line in progress: its last TAIL_LINE_BYTES
 
     def pump(self, stream: IO[bytes]) -> None:
-        """Forward every line until the worker closes the stream.
+        """Forward what the worker writes, as it comes, until it closes the stream.
 
-        A destination that fails (a console piped into ``head`` that exited, a
-        full disk) is dropped with one note and the stream is still drained:
-        a worker must never block writing to a pipe nobody reads.
+        Chunks, not lines: a progress bar redrawn with ``\r`` shows as it moves, and a
+        long line is never held whole. A destination that fails (a console piped into
+        ``head`` that exited, a full disk) is dropped with one note and the stream is
+        still drained: a worker must never block writing to a pipe nobody reads.
         """
-        for line in iter(stream.readline, b""):
-            if self.log is not None:
-                try:
-                    self.log.write(line)
-                    self.log.flush()
-                except OSError as error:
-                    self._drop(self.log, f"log file {getattr(self.log, 'name', '')}", error)
-                    self.log = None
-            if self.console is not None:
-                try:
-                    with _CONSOLE_LOCK:
-                        # (torch's excepthook prefixes a rank's traceback itself: once is enough)
-                        self.console.write(line if line.startswith(self.prefix) else self.prefix + line)
-                        self.console.flush()
-                except OSError as error:
-                    self._drop(None, "console", error)
-                    self.console = None
-            if self.tail is not None:
-                self.tail.append(line.decode(errors="replace").rstrip("\n"))
+        fd = _fileno(stream)
+        read: Callable[[int], bytes]
+        if fd is not None:  # a pipe: read what is there, and see whether more comes within PARTIAL_LINE_S
+            read = functools.partial(os.read, fd)
+        else:
+            read = getattr(stream, "read1", stream.read)  # read1: what one read gives, without waiting for more
+        held = b""  # the start of a line that has not ended yet
+        while True:
+            if held and fd is not None and not select.select([fd], [], [], PARTIAL_LINE_S)[0]:
+                self._to_console(self.prefixer.feed(held))  # nothing more came: a progress bar, a prompt
+                held = b""
+            chunk = read(READ_BYTES)
+            if not chunk:
+                break
+            self._to_log(chunk)
+            self._keep(chunk)
+            data = held + chunk
+            cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1  # forward whole lines (\r ends a redrawn one)
+            if fd is None or len(data) - cut > READ_BYTES:
+                cut = len(data)  # (no way to wait for more, or a line too long to hold)
+            self._to_console(self.prefixer.feed(data[:cut]))
+            held = data[cut:]
+        self._to_console(self.prefixer.feed(held) + self.prefixer.flush())
+        if self.tail is not None and self.line:
+            self.tail.append(_visible(self.line))
         stream.close()
         if self.log is not None:
             self.log.close()
+
+    def _to_log(self, data: bytes) -> None:
+        if self.log is not None:
+            try:
+                self.log.write(data)
+                self.log.flush()
+            except OSError as error:
+                self._drop(self.log, f"log file {getattr(self.log, 'name', '')}", error)
+                self.log = None
+
+    def _to_console(self, data: bytes) -> None:
+        if self.console is not None and data:
+            try:
+                with _CONSOLE_LOCK:
+                    self.console.write(data)
+                    self.console.flush()
+            except OSError as error:
+                self._drop(None, "console", error)
+                self.console = None
+
+    def _keep(self, data: bytes) -> None:
+        """Keep the stream's last lines for the failure summary, each cut to its last TAIL_LINE_BYTES."""
+        if self.tail is None:
+            return
+        *lines, rest = data.split(b"\n")
+        if len(lines) > TAIL_LINES:  # the line in progress and the first ones would fall out of the tail anyway
+            lines, self.line = lines[-TAIL_LINES:], b""
+        for line in lines:
+            self.tail.append(_visible(self.line + line))
+            self.line = b""
+        self.line = (self.line + rest)[-TAIL_LINE_BYTES:]
 
     def _drop(self, closing: IO[bytes] | None, what: str, error: OSError) -> None:
         """Stop forwarding to a destination that failed, say so once on stderr (if it can), keep draining."""
@@ -347,6 +450,19 @@ def _error_file_message(path: Path) -> str:
         extra = message.get("extraInfo", {})
         return str(extra.get("py_callstack") or message.get("message", ""))
     return str(message)
+
+
+def _fileno(stream: IO[bytes]) -> int | None:
+    """The stream's file descriptor, or None (a stream that has none)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is both OSError and ValueError)
+        return None
+
+
+def _visible(line: bytes) -> str:
+    """A line of the tail as a terminal shows it: its last TAIL_LINE_BYTES, after its last ``\r`` (progress redraws)."""
+    return line[-TAIL_LINE_BYTES:].rstrip(b"\r").rpartition(b"\r")[2].decode(errors="replace")
 
 
 def _last_traceback(lines: list[str]) -> str:

@@ -511,6 +511,34 @@ def test_a_node_whose_workers_succeeded_reports_a_later_failure_elsewhere(monkey
     assert "OSError: disk full" in err  # node 1's last words: node 0's terminal did not show them
 
 
+def test_the_agent_hosting_the_store_waits_for_the_others_to_read_a_final_failure(monkeypatch, tmp_path, capsys):
+    """A worker of the hosting node fails for good: its agent keeps the store up until node 1's agent has read
+    the failure and stopped its workers (it exited at once, and node 1 then reported a lost store, exit 1)."""
+    import torch.distributed as tdist
+
+    from spmd.launch.workers import Failure
+
+    store = tdist.HashStore()
+    agent = _agent(monkeypatch, tmp_path, store, hosting=True)
+    FakeGroup.first_result = (False, Failure(rank=0, local_rank=0, node_rank=0, host="node0", returncode=3, detail=""))
+    seen: list[float] = []
+
+    def node1(rdzv):
+        rdzv.join(1, 1, "node1")
+        _wait_store(lambda: rdzv.store.check([rdzv.key(0, "failed")]))
+        time.sleep(0.5)  # stopping its own workers
+        seen.append(time.monotonic())
+        rdzv.store.add(rdzv.key(0, "left"), 1)
+
+    thread, errors = _other_node(store, node1)
+    code = agent.run()
+    returned = time.monotonic()
+    thread.join(30)
+    assert not errors, errors
+    assert code == 3, capsys.readouterr().err
+    assert seen and returned >= seen[0]
+
+
 def test_a_node_whose_workers_succeeded_takes_part_in_the_restart(monkeypatch, tmp_path, capsys):
     """With a restart left, node 0 (workers done) rejoins when node 1 fails, so the restart can form; the job
     then succeeds in round 1 (node 0 exited 0 at once, and node 1 waited for it until the rendezvous timed out)."""

@@ -163,6 +163,9 @@ class Agent:
             if self.restarts >= c.max_restarts:
                 _say(f"job failed; restarts used {self.restarts}/{c.max_restarts}\n{failure.summary(membership.node_rank)}")
                 self._publish_shutdown(f"job failed: rank {failure.rank} {failure.how}")
+                # The others read the failure within a monitor step and stop their workers (up to
+                # --stop-grace): the store they read it from stays until then, or they would report a lost store.
+                self._leave(rdzv, round_, membership.num_nodes, hosting, c.stop_grace + 5.0)
                 return failure.exit_code if failure.exit_code else 1
             self.restarts += 1
             _say(f"{failure.summary().splitlines()[0]}; restarting the group ({self.restarts}/{c.max_restarts})")
@@ -217,14 +220,22 @@ class Agent:
                      + (" (the rendezvous store this agent hosts goes with it)" if hosting else ""))
                 return "done", None
             time.sleep(self.config.monitor_interval)
+        self._leave(rdzv, round_, num_nodes, hosting, self.config.rdzv_timeout)
+        return "done", None
+
+    def _leave(self, rdzv: Rendezvous, round_: int, num_nodes: int, hosting: bool, limit: float) -> None:
+        """This agent has read the round's outcome and exits: say so; the agent hosting the store
+        waits (at most ``limit`` seconds) until every other agent has said so, then takes it down."""
         left_key = rdzv.key(round_, "left")
         if not hosting:
-            rdzv.store.add(left_key, 1)  # the host may take the store down now
-            return "done", None
-        deadline = time.monotonic() + self.config.rdzv_timeout
+            try:
+                rdzv.store.add(left_key, 1)  # the host may take the store down now
+            except Exception:  # noqa: BLE001 - the host stopped waiting for this agent: nothing left to tell it
+                pass
+            return
+        deadline = time.monotonic() + limit
         while int(rdzv.store.add(left_key, 0)) < num_nodes - 1 and time.monotonic() < deadline:
             time.sleep(self.config.monitor_interval)  # every other agent's last look at the store comes first
-        return "done", None
 
 
 def run(config: RunConfig) -> int:

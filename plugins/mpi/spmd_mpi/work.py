@@ -131,6 +131,10 @@ class MpiWork:
                 except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
                     failure = failure or exc
         self._keep = None  # (only now: ``after`` may write into the kept tensors)
+        self._settle(failure)
+
+    def _settle(self, failure: BaseException | None) -> None:
+        """Mark the op finished (with ``failure``, or None) and wake its waiters and callbacks, once."""
         with _STATE_LOCK:
             self._failure = failure
             self._finished = True
@@ -217,15 +221,7 @@ class MpiWork:
             _release()
         _abandon(self._request, self._keep)
         self._request = self._keep = self._after = None
-        with _STATE_LOCK:
-            self._failure = CollectiveError("MPI: spmd gave up on this op (aborted); its request stays posted")
-            self._finished = True
-            wakeup, fns = self._wakeup, self._done_fns
-            self._done_fns = None
-        if wakeup is not None:
-            wakeup.set()
-        for fn in fns or ():
-            fn()
+        self._settle(CollectiveError("MPI: spmd gave up on this op (aborted); its request stays posted"))
 
     def error(self) -> BaseException | None:
         return self._failure

@@ -451,6 +451,14 @@ def _other_node(store, script, config=None):
     return thread, errors
 
 
+def _run_beside(agent, thread, errors, capture) -> tuple[int, str]:
+    """Run ``agent`` while the other node's thread plays its part; (exit code, the agent's stderr)."""
+    code = agent.run()
+    thread.join(30)
+    assert not errors, errors
+    return code, capture.readouterr().err
+
+
 def _node1_failure():
     from spmd.launch.workers import Failure
 
@@ -502,10 +510,7 @@ def test_a_node_whose_workers_succeeded_reports_a_later_failure_elsewhere(monkey
         rdzv.store.set("shutdown", "job failed: rank 1 exited with code 3")  # no restarts left: node 1's agent exits
 
     thread, errors = _other_node(store, node1)
-    code = agent.run()
-    thread.join(30)
-    assert not errors, errors
-    err = capsys.readouterr().err
+    code, err = _run_beside(agent, thread, errors, capsys)
     assert code == 3, err
     assert "job failed; restarts used 0/0" in err and "rank 1 (local rank 0) on node 1 (node1) exited with code 3" in err
     assert "OSError: disk full" in err  # node 1's last words: node 0's terminal did not show them
@@ -557,10 +562,7 @@ def test_a_node_whose_workers_succeeded_takes_part_in_the_restart(monkeypatch, t
         _wait_store(lambda: int(rdzv.store.add(rdzv.key(1, "done"), 0)) == 2)
 
     thread, errors = _other_node(store, node1)
-    code = agent.run()
-    thread.join(30)
-    assert not errors, errors
-    err = capsys.readouterr().err
+    code, err = _run_beside(agent, thread, errors, capsys)
     assert code == 0, err
     assert [g.restart for g in FakeGroup.made] == [0, 1] and [g.membership.round for g in FakeGroup.made] == [0, 1]
     assert "rank 1 (local rank 0) on node 1 (node1) exited with code 3; restarting the group (1/1)" in err
@@ -621,10 +623,7 @@ def test_losing_the_store_stops_the_workers_gracefully_and_says_so(monkeypatch, 
 
     FakeGroup.first_result = (False, None)  # the workers run on
     thread, errors = _other_node(_client(endpoint), node0)
-    code = agent.run()
-    thread.join(30)
-    assert not errors, errors
-    err = capfd.readouterr().err
+    code, err = _run_beside(agent, thread, errors, capfd)
     assert code == 1, err
     assert f"spmd run: lost the rendezvous store at {endpoint}: the agent hosting it exited or died" in err
     assert "Traceback" not in err
@@ -645,10 +644,7 @@ def test_a_stop_request_is_reported_when_its_sender_takes_the_store_down_meanwhi
 
     FakeGroup.first_result = (False, None)  # the workers run on
     thread, errors = _other_node(_client(endpoint), node0)
-    code = agent.run()
-    thread.join(30)
-    assert not errors, errors
-    err = capfd.readouterr().err
+    code, err = _run_beside(agent, thread, errors, capfd)
     assert code == 1, err
     assert "spmd run: job stopped: agent on node0 received SIGTERM" in err and "Traceback" not in err
 

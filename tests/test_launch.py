@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from launch_helpers import wait_for
 
 from spmd.testing.ports import free_port
 
@@ -120,14 +119,6 @@ def test_python_error_summary_shows_the_traceback():
     assert "ValueError" not in summary, summary
 
 
-def _wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -143,23 +134,23 @@ def test_signal_to_the_agent_reaches_every_worker(tmp_path, signum, flags):
     worker's handler (a SIGHUP killed the agent, and with it the workers, before they could act)."""
     agent = subprocess.Popen([*SPMD, "run", "--nproc-per-node", "2", *flags, str(SCRIPTS / "sleeper.py"), str(tmp_path)],
                              env=clean_env(), stderr=subprocess.PIPE, text=True)
-    _wait_for(lambda: len(list(tmp_path.glob("pid*"))) == 2, 60, "both workers to start")
+    wait_for(lambda: len(list(tmp_path.glob("pid*"))) == 2, 60, "both workers to start")
     pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
     agent.send_signal(signum)
     _, err = agent.communicate(timeout=30)
     assert agent.returncode == 128 + signum
     assert f"received {signal.Signals(signum).name}" in err
-    _wait_for(lambda: not any(_alive(p) for p in pids), 10, "workers to exit")
+    wait_for(lambda: not any(_alive(p) for p in pids), 10, "workers to exit")
     assert [(tmp_path / f"got{r}").read_text() for r in (0, 1)] == [signal.Signals(signum).name] * 2
 
 
 def test_kill_9_of_the_agent_leaves_no_orphan(tmp_path):
     agent = subprocess.Popen([*SPMD, "run", "--nproc-per-node", "2", str(SCRIPTS / "sleeper.py"), str(tmp_path)], env=clean_env())
-    _wait_for(lambda: len(list(tmp_path.glob("pid*"))) == 2, 60, "both workers to start")
+    wait_for(lambda: len(list(tmp_path.glob("pid*"))) == 2, 60, "both workers to start")
     pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
     agent.kill()
     agent.wait(timeout=10)
-    _wait_for(lambda: not any(_alive(p) for p in pids), 10, "workers to die with their agent")
+    wait_for(lambda: not any(_alive(p) for p in pids), 10, "workers to die with their agent")
 
 
 def _log_dirs(root, rdzv_id: str) -> list:
@@ -220,7 +211,7 @@ def test_elastic_join_restarts_with_the_new_world_size_and_resumes(tmp_path):
     cmd = [*SPMD, "run", "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic", "--last-call", "0.5",
            str(EXAMPLES / "elastic_resume.py"), str(ckpt), "40", "0.05", "2"]
     first = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for(ckpt.exists, 60, "the first node to train alone")
+    wait_for(ckpt.exists, 60, "the first node to train alone")
     second = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out0, err0 = first.communicate(timeout=120)
     out1, err1 = second.communicate(timeout=120)
@@ -352,434 +343,4 @@ def test_a_failed_workers_helper_processes_are_stopped_with_the_job(tmp_path):
                          env=clean_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 3, out.stderr
     helpers = [int((tmp_path / f"helper{r}").read_text()) for r in (0, 1)]
-    _wait_for(lambda: not any(_alive(p) for p in helpers), 10, "both ranks' helpers to be stopped")
-
-
-def test_tee_prefixes_each_line_once():
-    """torch.distributed's excepthook already writes ``[rank0]: `` before each traceback line of a torch-started
-    world; the agent's --tee prefix is not added again (it printed ``[rank0]: [rank0]: ``)."""
-    import io
-
-    from spmd.launch.workers import _Sink
-
-    console = io.BytesIO()
-    read, write = os.pipe()
-    with os.fdopen(write, "wb") as w:
-        w.write(b"[rank0]: Traceback (most recent call last):\nplain line\n")
-    with os.fdopen(read, "rb") as r:
-        _Sink(console, b"[rank0]: ", None, None).pump(r)
-    assert console.getvalue() == b"[rank0]: Traceback (most recent call last):\n[rank0]: plain line\n"
-
-
-# -- one agent with stand-in workers, the other nodes simulated over an in-process store ----------------------------
-
-
-class FakeGroup:
-    """Stands in for WorkerGroup: its workers 'exit' as ``result`` says; ``stop`` only records the signal."""
-
-    made: list[FakeGroup] = []
-    first_result: tuple = (True, None)  # what a new group's poll says: (all exited 0, failure)
-
-    def __init__(self, config, membership, restart, run_dir, log_root=None):
-        self.membership, self.restart = membership, restart
-        self.result = FakeGroup.first_result
-        self.stopped: list[int] = []
-        self.on_stop = lambda: None
-        FakeGroup.made.append(self)
-
-    def start(self):
-        pass
-
-    def poll(self):
-        return self.result
-
-    def drain(self, timeout=10.0):
-        pass
-
-    def stop(self, signum=signal.SIGTERM):
-        self.stopped.append(signum)
-        self.on_stop()
-
-
-def _config(**changes):
-    from dataclasses import replace
-
-    from spmd.launch.args import RunConfig
-
-    base = RunConfig(nproc_per_node=1, min_nodes=2, max_nodes=2, node_rank=0, rdzv_endpoint="127.0.0.1:1", rdzv_id="unit", standalone=False,
-                     max_restarts=0, monitor_interval=0.01, redirects={0: 0}, tee={0: 0}, log_dir=None, module=False, no_python=False,
-                     script="x.py", script_args=(), rdzv_timeout=30.0, last_call=0.0, stop_grace=1.0)
-    return replace(base, **changes)
-
-
-def _agent(monkeypatch, tmp_path, store, hosting: bool, endpoint: str = "127.0.0.1:1", **changes):
-    """An Agent whose rendezvous runs over ``store`` and whose workers are FakeGroups."""
-    import tempfile
-
-    from spmd.launch import agent as agent_module
-    from spmd.launch.rendezvous import Rendezvous
-
-    config = _config(rdzv_endpoint=endpoint, **changes)
-
-    def rendezvous(self):
-        self._store, self._endpoint = store, endpoint
-        return Rendezvous(store, config.rdzv_id, config.min_nodes, config.max_nodes, config.rdzv_timeout, config.last_call, poll=0.01), hosting, "127.0.0.1"
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(agent_module.Agent, "_rendezvous", rendezvous)
-    monkeypatch.setattr(agent_module, "WorkerGroup", FakeGroup)
-    FakeGroup.made, FakeGroup.first_result = [], (True, None)
-    return agent_module.Agent(config)
-
-
-def _other_node(store, script, config=None):
-    """Node 1 of a two-node job, run by ``script(rdzv)`` in a thread over the same store; returns (thread, errors)."""
-    from spmd.launch.rendezvous import Rendezvous
-
-    config = config or _config()
-    rdzv = Rendezvous(store, config.rdzv_id, config.min_nodes, config.max_nodes, config.rdzv_timeout, config.last_call, poll=0.01)
-    errors: list[BaseException] = []
-
-    def body():
-        try:
-            script(rdzv)
-        except BaseException as error:  # noqa: BLE001 - reported by the test
-            errors.append(error)
-
-    thread = threading.Thread(target=body, daemon=True)
-    thread.start()
-    return thread, errors
-
-
-def _run_beside(agent, thread, errors, capture) -> tuple[int, str]:
-    """Run ``agent`` while the other node's thread plays its part; (exit code, the agent's stderr)."""
-    code = agent.run()
-    thread.join(30)
-    assert not errors, errors
-    return code, capture.readouterr().err
-
-
-def _node1_failure():
-    from spmd.launch.workers import Failure
-
-    return Failure(rank=1, local_rank=0, node_rank=1, host="node1", returncode=3, detail="Traceback (most recent call last):\nOSError: disk full")
-
-
-def _membership(num_nodes: int, round_: int = 0):
-    from spmd.launch.rendezvous import Membership
-
-    return Membership(round=round_, node_rank=0, num_nodes=num_nodes, nprocs=(1,) * num_nodes, hosts=("127.0.0.1",) * num_nodes,
-                      master_addr="127.0.0.1", master_port=1)
-
-
-def _wait_store(condition, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def test_monitor_sees_a_failed_round_even_when_its_own_workers_all_exited_0(monkeypatch, tmp_path):
-    """The round's ``failed`` key is looked at before local success is trusted (it said "done")."""
-    import torch.distributed as tdist
-
-    from spmd.launch.rendezvous import Rendezvous
-
-    store = tdist.HashStore()
-    agent = _agent(monkeypatch, tmp_path, store, hosting=True)
-    rdzv = Rendezvous(store, "unit", 2, 2, 30, 0)
-    rdzv.set(0, "failed", _node1_failure().to_json())
-    agent.group = FakeGroup(agent.config, None, 0, tmp_path)
-    outcome, failure = agent._monitor(rdzv, _membership(num_nodes=2))
-    assert (outcome, failure) == ("failed", _node1_failure())
-
-
-@pytest.mark.parametrize("hosting", [True, False])
-def test_a_node_whose_workers_succeeded_reports_a_later_failure_elsewhere(monkeypatch, tmp_path, capsys, hosting):
-    """Node 0's workers all exit 0; then a rank on node 1 fails for good. Node 0's agent exits with that rank's
-    code and the summary (it exited 0: the job read as a success)."""
-    import torch.distributed as tdist
-
-    store = tdist.HashStore()
-    agent = _agent(monkeypatch, tmp_path, store, hosting=hosting)
-
-    def node1(rdzv):
-        rdzv.join(1, 1, "node1")
-        _wait_store(lambda: int(rdzv.store.add(rdzv.key(0, "done"), 0)) == 1)  # node 0's workers are done
-        rdzv.store.compare_set(rdzv.key(0, "failed"), "", _node1_failure().to_json())
-        rdzv.store.set("shutdown", "job failed: rank 1 exited with code 3")  # no restarts left: node 1's agent exits
-
-    thread, errors = _other_node(store, node1)
-    code, err = _run_beside(agent, thread, errors, capsys)
-    assert code == 3, err
-    assert "job failed; restarts used 0/0" in err and "rank 1 (local rank 0) on node 1 (node1) exited with code 3" in err
-    assert "OSError: disk full" in err  # node 1's last words: node 0's terminal did not show them
-
-
-def test_the_agent_hosting_the_store_waits_for_the_others_to_read_a_final_failure(monkeypatch, tmp_path, capsys):
-    """A worker of the hosting node fails for good: its agent keeps the store up until node 1's agent has read
-    the failure and stopped its workers (it exited at once, and node 1 then reported a lost store, exit 1)."""
-    import torch.distributed as tdist
-
-    from spmd.launch.workers import Failure
-
-    store = tdist.HashStore()
-    agent = _agent(monkeypatch, tmp_path, store, hosting=True)
-    FakeGroup.first_result = (False, Failure(rank=0, local_rank=0, node_rank=0, host="node0", returncode=3, detail=""))
-    seen: list[float] = []
-
-    def node1(rdzv):
-        rdzv.join(1, 1, "node1")
-        _wait_store(lambda: rdzv.store.check([rdzv.key(0, "failed")]))
-        time.sleep(0.5)  # stopping its own workers
-        seen.append(time.monotonic())
-        rdzv.store.add(rdzv.key(0, "left"), 1)
-
-    thread, errors = _other_node(store, node1)
-    code = agent.run()
-    returned = time.monotonic()
-    thread.join(30)
-    assert not errors, errors
-    assert code == 3, capsys.readouterr().err
-    assert seen and returned >= seen[0]
-
-
-def test_a_node_whose_workers_succeeded_takes_part_in_the_restart(monkeypatch, tmp_path, capsys):
-    """With a restart left, node 0 (workers done) rejoins when node 1 fails, so the restart can form; the job
-    then succeeds in round 1 (node 0 exited 0 at once, and node 1 waited for it until the rendezvous timed out)."""
-    import torch.distributed as tdist
-
-    store = tdist.HashStore()
-    agent = _agent(monkeypatch, tmp_path, store, hosting=False, max_restarts=1)
-
-    def node1(rdzv):
-        rdzv.join(1, 1, "node1")
-        _wait_store(lambda: int(rdzv.store.add(rdzv.key(0, "done"), 0)) == 1)
-        rdzv.store.compare_set(rdzv.key(0, "failed"), "", _node1_failure().to_json())
-        rdzv.advance_from(0)
-        assert rdzv.join(1, 1, "node1").round == 1
-        rdzv.store.add(rdzv.key(1, "done"), 1)  # node 1's workers succeed this time
-        _wait_store(lambda: int(rdzv.store.add(rdzv.key(1, "done"), 0)) == 2)
-
-    thread, errors = _other_node(store, node1)
-    code, err = _run_beside(agent, thread, errors, capsys)
-    assert code == 0, err
-    assert [g.restart for g in FakeGroup.made] == [0, 1] and [g.membership.round for g in FakeGroup.made] == [0, 1]
-    assert "rank 1 (local rank 0) on node 1 (node1) exited with code 3; restarting the group (1/1)" in err
-
-
-def test_a_node_whose_workers_succeeded_follows_the_job_into_a_new_round_and_ignores_late_joins(monkeypatch, tmp_path):
-    """Once a node's workers finished, the running agents no longer restart the job for a newcomer; an agent whose
-    workers finished and whose round was moved on anyway (the two crossed) goes with it instead of waiting alone."""
-    import torch.distributed as tdist
-
-    from spmd.launch.rendezvous import Rendezvous
-
-    store = tdist.HashStore()
-    agent = _agent(monkeypatch, tmp_path, store, hosting=False, max_nodes=3)
-    rdzv = Rendezvous(store, "unit", 2, 3, 30, 0)
-    agent.group = FakeGroup(agent.config, None, 0, tmp_path)
-    agent.group.result = (False, None)  # still running
-    rdzv.set(0, "join", "node2")
-    rdzv.store.add(rdzv.key(0, "done"), 1)  # node 1's workers finished
-    threading.Timer(0.5, lambda: rdzv.store.set("shutdown", "test over")).start()
-    assert agent._monitor(rdzv, _membership(num_nodes=2)) == ("shutdown", None)  # not "join"
-
-    rdzv.advance_from(0)  # the other agent had taken the join before node 1 finished
-    assert agent._await_job(rdzv, 0, 2, hosting=False) == ("join", None)
-
-
-def _hosted_store():
-    """A TCPStore server in this process (a list holding it: clear the list to take the store down) and a client."""
-    from datetime import timedelta
-
-    import torch.distributed as tdist
-
-    server = tdist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    client = tdist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=30))
-    return [server], client, f"127.0.0.1:{server.port}"
-
-
-def _client(endpoint: str):
-    from datetime import timedelta
-
-    import torch.distributed as tdist
-
-    host, _, port = endpoint.rpartition(":")
-    return tdist.TCPStore(host, int(port), None, False, timedelta(seconds=30))
-
-
-def test_losing_the_store_stops_the_workers_gracefully_and_says_so(monkeypatch, tmp_path, capfd):
-    """The agent hosting the store dies while this one watches its workers: one line saying what happened, the
-    workers stopped with SIGTERM and the grace period, exit code 1 (a traceback escaped, the workers got PDEATHSIG)."""
-    holder, client, endpoint = _hosted_store()
-    agent = _agent(monkeypatch, tmp_path, client, hosting=False, endpoint=endpoint, node_rank=1)
-
-    def node0(rdzv):
-        rdzv.join(1, 0, "node0")
-        _wait_store(lambda: bool(FakeGroup.made))
-        time.sleep(0.2)
-        holder.clear()  # node 0's agent dies, and its store with it
-
-    FakeGroup.first_result = (False, None)  # the workers run on
-    thread, errors = _other_node(_client(endpoint), node0)
-    code, err = _run_beside(agent, thread, errors, capfd)
-    assert code == 1, err
-    assert f"spmd run: lost the rendezvous store at {endpoint}: the agent hosting it exited or died" in err
-    assert "Traceback" not in err
-    assert FakeGroup.made[0].stopped == [signal.SIGTERM]
-
-
-def test_a_stop_request_is_reported_when_its_sender_takes_the_store_down_meanwhile(monkeypatch, tmp_path, capfd):
-    """Node 0 got SIGTERM: it publishes the reason, stops its workers and exits with its store while this agent's
-    workers get their grace period; the reason was read after that, from a store already gone."""
-    holder, client, endpoint = _hosted_store()
-    agent = _agent(monkeypatch, tmp_path, client, hosting=False, endpoint=endpoint, node_rank=1)
-
-    def node0(rdzv):
-        rdzv.join(1, 0, "node0")
-        _wait_store(lambda: bool(FakeGroup.made))
-        FakeGroup.made[0].on_stop = holder.clear  # node 0 exits during this node's grace period
-        rdzv.store.set("shutdown", "agent on node0 received SIGTERM")
-
-    FakeGroup.first_result = (False, None)  # the workers run on
-    thread, errors = _other_node(_client(endpoint), node0)
-    code, err = _run_beside(agent, thread, errors, capfd)
-    assert code == 1, err
-    assert "spmd run: job stopped: agent on node0 received SIGTERM" in err and "Traceback" not in err
-
-
-def test_a_full_round_is_not_restarted_for_a_join_request(monkeypatch, tmp_path):
-    """A round that has --nnodes' maximum of nodes ignores a join request (a surplus agent's ask restarted it)."""
-    import torch.distributed as tdist
-
-    from spmd.launch.rendezvous import Rendezvous
-
-    store = tdist.HashStore()
-    agent = _agent(monkeypatch, tmp_path, store, hosting=True, min_nodes=1, max_nodes=2)
-    rdzv = Rendezvous(store, "unit", 1, 2, 30, 0)
-    agent.group = FakeGroup(agent.config, None, 0, tmp_path)
-    agent.group.result = (False, None)
-    rdzv.set(0, "join", "node2")
-    threading.Timer(0.5, lambda: rdzv.store.set("shutdown", "test over")).start()
-    assert agent._monitor(rdzv, _membership(num_nodes=2)) == ("shutdown", None)  # full: not "join"
-    rdzv.store.delete_key("shutdown")
-    assert agent._monitor(rdzv, _membership(num_nodes=1)) == ("join", None)  # room for one more
-
-
-# -- forwarding worker output ---------------------------------------------------------------------------------------
-
-
-class _Console:
-    """A console that records what reached it, and when something first did."""
-
-    def __init__(self):
-        self.data = bytearray()
-        self.got = threading.Event()
-
-    def write(self, data):
-        self.data += data
-        self.got.set()
-        return len(data)
-
-    def flush(self):
-        pass
-
-
-def test_a_progress_bar_reaches_the_console_as_it_moves(tmp_path):
-    """tqdm redraws one line with \\r and writes \\n only at the end: each update is forwarded as it comes,
-    to the console (prefixed at each redraw under --tee) and to the log file (nothing showed before the \\n)."""
-    from spmd.launch.workers import _Sink
-
-    console = _Console()
-    log = open(tmp_path / "stderr.log", "wb")  # noqa: SIM115 - the sink closes it
-    read, write = os.pipe()
-    sink = _Sink(console, b"[rank0]: ", log, None)
-    with os.fdopen(read, "rb") as r, os.fdopen(write, "wb", buffering=0) as w:
-        thread = threading.Thread(target=sink.pump, args=(r,), daemon=True)
-        thread.start()
-        w.write(b"  0%|          | 0/10")
-        assert console.got.wait(30), "the first update never reached the console"
-        w.write(b"\r 10%|#         | 1/10")
-        _wait_for(lambda: b"1/10" in console.data, 30, "the second update")
-        w.write(b"\r100%|##########| 10/10\n")
-        w.close()
-        thread.join(30)
-    assert bytes(console.data) == b"[rank0]:   0%|          | 0/10\r[rank0]:  10%|#         | 1/10\r[rank0]: 100%|##########| 10/10\n"
-    assert (tmp_path / "stderr.log").read_bytes() == b"  0%|          | 0/10\r 10%|#         | 1/10\r100%|##########| 10/10\n"
-
-
-def test_a_line_written_in_two_flushes_reaches_the_console_whole():
-    """A worker's stdout into a pipe is flushed in 8 KiB blocks, which cut lines: the console gets each
-    line in one write, so two ranks' lines never mix mid-line (only a line left unfinished for
-    PARTIAL_LINE_S is forwarded as is)."""
-    from spmd.launch.workers import _Sink
-
-    writes: list[bytes] = []
-
-    class Recording(_Console):
-        def write(self, data):
-            writes.append(bytes(data))
-            return super().write(data)
-
-    read, write = os.pipe()
-    sink = _Sink(Recording(), b"[rank1]: ", None, None)
-    with os.fdopen(read, "rb") as r, os.fdopen(write, "wb", buffering=0) as w:
-        thread = threading.Thread(target=sink.pump, args=(r,), daemon=True)
-        thread.start()
-        w.write(b"step 1 loss 0.5\nstep 2 lo")  # a block flushed in the middle of a line
-        time.sleep(0.02)
-        w.write(b"ss 0.4\n")
-        w.close()
-        thread.join(30)
-    assert b"".join(writes) == b"[rank1]: step 1 loss 0.5\n[rank1]: step 2 loss 0.4\n"
-    assert all(chunk.endswith(b"\n") for chunk in writes), writes
-
-
-def test_a_huge_line_without_newline_is_not_kept_whole_for_the_summary(tmp_path):
-    """A worker writes 1 MiB with no newline, then fails: the log file gets it all, the tail kept for the failure
-    summary only each line's end (the whole 'line' was held, twice, and went into the summary)."""
-    import collections
-
-    from spmd.launch.workers import TAIL_LINE_BYTES, _last_traceback, _Sink
-
-    tail: collections.deque = collections.deque(maxlen=40)
-    blob = b"x" * (1 << 20)
-    read, write = os.pipe()
-    with os.fdopen(write, "wb") as w:
-        threading.Thread(target=lambda: (w.write(blob + b"\nTraceback (most recent call last):\nValueError: boom\n"), w.close()), daemon=True).start()
-        with os.fdopen(read, "rb") as r, open(tmp_path / "stderr.log", "wb") as log:
-            _Sink(None, b"", log, tail).pump(r)
-    assert (tmp_path / "stderr.log").stat().st_size == len(blob) + 53
-    assert [len(line) for line in tail] == [TAIL_LINE_BYTES, 34, 16]
-    assert _last_traceback(list(tail)) == "Traceback (most recent call last):\nValueError: boom"
-
-
-class _Chunks(io.RawIOBase):
-    """A stream that yields the given chunks, one per read."""
-
-    def __init__(self, chunks):
-        self.chunks = list(chunks)
-
-    def readable(self):
-        return True
-
-    def readinto(self, buffer):
-        if not self.chunks:
-            return 0
-        chunk = self.chunks.pop(0)
-        buffer[: len(chunk)] = chunk
-        return len(chunk)
-
-
-def test_tee_prefixes_line_starts_however_the_output_is_cut_into_chunks():
-    """A line that already carries the prefix (torch's excepthook) is recognised even when a read ends inside it."""
-    from spmd.launch.workers import _Sink
-
-    text = b"[rank0]: Traceback (most recent call last):\n\nplain [rank0]: \r\nbar 1\rbar 2\r[rank0]: x\n[rank"
-    expected = b"[rank0]: Traceback (most recent call last):\n[rank0]: \n[rank0]: plain [rank0]: \r\n[rank0]: bar 1\r[rank0]: bar 2\r[rank0]: x\n[rank0]: [rank"
-    for size in (1, 2, 3, 5, 8, 9, 10, len(text)):
-        console = _Console()
-        stream = io.BufferedReader(_Chunks(text[i:i + size] for i in range(0, len(text), size)))
-        _Sink(console, b"[rank0]: ", None, None).pump(stream)
-        assert bytes(console.data) == expected, size
+    wait_for(lambda: not any(_alive(p) for p in helpers), 10, "both ranks' helpers to be stopped")

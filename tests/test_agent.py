@@ -49,8 +49,9 @@ def _config(**changes):
     return replace(base, **changes)
 
 
-def _agent(monkeypatch, tmp_path, store, hosting: bool, endpoint: str = "127.0.0.1:1", **changes):
-    """An Agent whose rendezvous runs over ``store`` and whose workers are FakeGroups."""
+def _agent(monkeypatch, tmp_path, store, hosting: bool, endpoint: str = "127.0.0.1:1", wrap=None, **changes):
+    """An Agent whose rendezvous runs over ``store`` (its prefixed view passed through ``wrap`` if given)
+    and whose workers are FakeGroups."""
     import tempfile
 
     from spmd.launch import agent as agent_module
@@ -60,7 +61,10 @@ def _agent(monkeypatch, tmp_path, store, hosting: bool, endpoint: str = "127.0.0
 
     def rendezvous(self):
         self._store, self._endpoint = store, endpoint
-        return Rendezvous(store, config.rdzv_id, config.min_nodes, config.max_nodes, config.rdzv_timeout, config.last_call, poll=0.01), hosting, "127.0.0.1"
+        rdzv = Rendezvous(store, config.rdzv_id, config.min_nodes, config.max_nodes, config.rdzv_timeout, config.last_call, poll=0.01)
+        if wrap is not None:
+            rdzv.store = wrap(rdzv.store)
+        return rdzv, hosting, "127.0.0.1"
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(agent_module.Agent, "_rendezvous", rendezvous)
@@ -144,6 +148,40 @@ def test_a_node_whose_workers_succeeded_reports_a_later_failure_elsewhere(monkey
     assert code == 3, err
     assert "job failed; restarts used 0/0" in err and "rank 1 (local rank 0) on node 1 (node1) exited with code 3" in err
     assert "OSError: disk full" in err  # node 1's last words: node 0's terminal did not show them
+
+
+class _StopArrivingBetweenLooks:
+    """A store on which node 1's failure and its stop request land just after this agent looked for a failure
+    and before it looks for a stop (the interleaving CI once hit)."""
+
+    def __init__(self, store, failure_json: str):
+        self._store, self._failure_json, self._sprung = store, failure_json, False
+
+    def check(self, keys):
+        found = self._store.check(keys)
+        if keys == ["r0/failed"] and not found and not self._sprung and int(self._store.add("r0/done", 0)) >= 1:
+            self._sprung = True
+            self._store.compare_set("r0/failed", "", self._failure_json)
+            self._store.set("shutdown", "job failed: rank 1 exited with code 3")
+        return found
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("hosting", [True, False])
+def test_a_failure_and_stop_that_land_between_two_looks_are_reported_as_the_failure(monkeypatch, tmp_path, capsys, hosting):
+    """The agent saw no failure, then the stop node 1 sent after setting it: it reports node 1's failure and
+    exits with its code (it said "job stopped" and exited 1)."""
+    import torch.distributed as tdist
+
+    store = tdist.HashStore()
+    agent = _agent(monkeypatch, tmp_path, store, hosting=hosting, stop_grace=0.0,
+                   wrap=lambda view: _StopArrivingBetweenLooks(view, _node1_failure().to_json()))
+    thread, errors = _other_node(store, lambda rdzv: rdzv.join(1, 1, "node1"))
+    code, err = _run_beside(agent, thread, errors, capsys)
+    assert code == 3, err
+    assert "rank 1 (local rank 0) on node 1 (node1) exited with code 3" in err and "job stopped" not in err
 
 
 def test_the_agent_hosting_the_store_waits_for_the_others_to_read_a_final_failure(monkeypatch, tmp_path, capsys):

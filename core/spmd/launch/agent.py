@@ -152,7 +152,7 @@ class Agent:
             # (the reason is read before the grace period: the agent that sent it may take the store down meanwhile)
             reason = rdzv.shutdown_requested() if outcome == "shutdown" else None
             self.group.stop()
-            if outcome == "shutdown":
+            if outcome == "shutdown" and failure is None:
                 _say(f"job stopped: {reason}")
                 return 1
             if outcome == "join":
@@ -160,9 +160,10 @@ class Agent:
                 rdzv.advance_from(round_)
                 continue
             assert failure is not None
-            if self.restarts >= c.max_restarts:
+            if self.restarts >= c.max_restarts or outcome == "shutdown":  # (a stop sent over a failure: the job ends with it)
                 _say(f"job failed; restarts used {self.restarts}/{c.max_restarts}\n{failure.summary(membership.node_rank)}")
-                self._publish_shutdown(f"job failed: rank {failure.rank} {failure.how}")
+                if outcome != "shutdown":
+                    self._publish_shutdown(f"job failed: rank {failure.rank} {failure.how}")
                 # The others read the failure within a monitor step and stop their workers (up to
                 # --stop-grace): the store they read it from stays until then, or they would report a lost store.
                 self._leave(rdzv, round_, membership.num_nodes, hosting, c.stop_grace + 5.0)
@@ -187,7 +188,7 @@ class Agent:
             if done:
                 return "done", None
             if rdzv.store.check(["shutdown"]):
-                return "shutdown", None
+                return "shutdown", _failure_of(rdzv, failed_key)
             if rdzv.store.check([join_key]) and membership.num_nodes < self.config.max_nodes and not int(rdzv.store.add(rdzv.key(round_, "done"), 0)):
                 return "join", None  # (not into a full round, nor once a node's workers finished: that job is ending)
             time.sleep(self.config.monitor_interval)
@@ -213,7 +214,7 @@ class Agent:
             if finished >= num_nodes:
                 break
             if rdzv.store.check(["shutdown"]):
-                return "shutdown", None
+                return "shutdown", _failure_of(rdzv, failed_key)
             if time.monotonic() > deadline:
                 _say(f"this node's workers finished, but {num_nodes - finished} of {num_nodes} nodes were still running after "
                      f"{self.config.rdzv_timeout:.0f} s (--rdzv-timeout); exiting 0 without the job's outcome"
@@ -236,6 +237,12 @@ class Agent:
         deadline = time.monotonic() + limit
         while int(rdzv.store.add(left_key, 0)) < num_nodes - 1 and time.monotonic() < deadline:
             time.sleep(self.config.monitor_interval)  # every other agent's last look at the store comes first
+
+
+def _failure_of(rdzv: Rendezvous, failed_key: str) -> Failure | None:
+    """The round's failure, if one was set: an agent sets it before it asks the job to stop, and an agent
+    that saw the stop between its own looks at the two keys still reports the failure, not a bare stop."""
+    return Failure.from_json(rdzv.store.get(failed_key).decode()) if rdzv.store.check([failed_key]) else None
 
 
 def run(config: RunConfig) -> int:

@@ -6,10 +6,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as tdist
 
-from spmd.bench.ops import elements
+from spmd.bench.ops import buffer, elements
 
 
 def raw_gloo_ops(ctx: Any) -> dict[str, Callable[[int], Callable[[], object]]]:
@@ -18,32 +17,32 @@ def raw_gloo_ops(ctx: Any) -> dict[str, Callable[[int], Callable[[], object]]]:
     n = ctx.world_size
 
     def all_reduce(nbytes: int) -> Callable[[], object]:
-        t = torch.ones(elements(nbytes, 1))
+        t = buffer("data", elements(nbytes, 1))
         return lambda: pg.allreduce([t]).wait()
 
     def broadcast(nbytes: int) -> Callable[[], object]:
-        t = torch.ones(elements(nbytes, 1))
+        t = buffer("data", elements(nbytes, 1))
         opts = tdist.BroadcastOptions()
         return lambda: pg.broadcast([t], opts).wait()
 
     def all_gather(nbytes: int) -> Callable[[], object]:
         total = elements(nbytes, n)
-        out, inp = torch.empty(total), torch.ones(total // n)
+        out, inp = buffer("out", total, None), buffer("in", total // n)
         return lambda: pg._allgather_base(out, inp).wait()
 
     def reduce_scatter(nbytes: int) -> Callable[[], object]:
         total = elements(nbytes, n)
-        out, inp = torch.empty(total // n), torch.ones(total)
+        out, inp = buffer("out", total // n, None), buffer("in", total)
         return lambda: pg._reduce_scatter_base(out, inp).wait()
 
     def all_to_all(nbytes: int) -> Callable[[], object]:
         total = elements(nbytes, n)
-        out, inp = torch.empty(total), torch.ones(total)
+        out, inp = buffer("out", total, None), buffer("in", total)
         opts = tdist.AllToAllOptions()
         return lambda: pg.alltoall_base(out, inp, [], [], opts).wait()
 
     def sendrecv(nbytes: int) -> Callable[[], object]:
-        t = torch.ones(elements(nbytes, 1))
+        t = buffer("data", elements(nbytes, 1))
         if ctx.rank == 0:
             return lambda: (pg.send([t], 1, 0).wait(), pg.recv([t], 1, 0).wait())
         if ctx.rank == 1:

@@ -1,6 +1,6 @@
 """Raw mpi4py calls: the peer spmd-mpi is measured against (``spmd bench --vs-raw``, benchmarks/).
 
-Each maker allocates its buffers once (torch tensors, handed to mpi4py as the
+Each maker takes its buffers from ``spmd.bench.ops.buffer`` (the torch tensors the spmd side uses too, handed to mpi4py as the
 numpy views a raw mpi4py program would use) and returns a call that runs one
 blocking MPI operation on a private duplicate of ``MPI_COMM_WORLD``.
 """
@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from spmd.bench.ops import elements
+from spmd.bench.ops import buffer, elements
 
 
 def raw_mpi_ops(ctx: Any = None) -> dict[str, Callable[[int], Callable[[], object]]]:
@@ -25,30 +23,30 @@ def raw_mpi_ops(ctx: Any = None) -> dict[str, Callable[[int], Callable[[], objec
     in_place, total = MPI.IN_PLACE, MPI.SUM
 
     def all_reduce(nbytes: int) -> Callable[[], object]:
-        a = torch.ones(elements(nbytes, 1)).numpy()
+        a = buffer("data", elements(nbytes, 1)).numpy()
         return lambda: comm.Allreduce(in_place, a, total)
 
     def broadcast(nbytes: int) -> Callable[[], object]:
-        a = torch.ones(elements(nbytes, 1)).numpy()
+        a = buffer("data", elements(nbytes, 1)).numpy()
         return lambda: comm.Bcast(a, 0)
 
     def all_gather(nbytes: int) -> Callable[[], object]:
         count = elements(nbytes, n)
-        out, inp = torch.empty(count).numpy(), torch.ones(count // n).numpy()
+        out, inp = buffer("out", count, None).numpy(), buffer("in", count // n).numpy()
         return lambda: comm.Allgather(inp, out)
 
     def reduce_scatter(nbytes: int) -> Callable[[], object]:
         count = elements(nbytes, n)
-        out, inp = torch.empty(count // n).numpy(), torch.ones(count).numpy()
+        out, inp = buffer("out", count // n, None).numpy(), buffer("in", count).numpy()
         return lambda: comm.Reduce_scatter_block(inp, out, total)
 
     def all_to_all(nbytes: int) -> Callable[[], object]:
         count = elements(nbytes, n)
-        out, inp = torch.empty(count).numpy(), torch.ones(count).numpy()
+        out, inp = buffer("out", count, None).numpy(), buffer("in", count).numpy()
         return lambda: comm.Alltoall(inp, out)
 
     def sendrecv(nbytes: int) -> Callable[[], object]:
-        a = torch.ones(elements(nbytes, 1)).numpy()
+        a = buffer("data", elements(nbytes, 1)).numpy()
         if rank == 0:
             return lambda: (comm.Send(a, 1), comm.Recv(a, 1))
         if rank == 1:

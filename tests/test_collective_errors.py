@@ -347,6 +347,29 @@ def test_only_this_worlds_announcements_make_a_group_unusable(spmd_world):
         assert r["new"] == "rank 1 gave up on it: now", r
 
 
+def test_a_rank_whose_watchdog_starts_after_its_peer_gave_the_world_up_still_adopts_it():
+    """Rank 0 gives the world up while rank 1 is between arriving at init and starting its watchdog:
+    rank 1 adopts it (it took the announcement for an earlier world's, and paired its next op with nothing)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from spmd.testing.ports import free_port
+
+    script = Path(__file__).parent / "fault_scripts" / "late_watchdog.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+                "SPMD_WATCHDOG_INTERVAL": "0.2"})
+    procs = [subprocess.Popen([sys.executable, str(script), "gloo"], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    lines = [next((x for x in out.splitlines() if x.startswith("RESULT ")), None) for out, _ in outputs]
+    assert all(lines), outputs
+    assert json.loads(lines[1][len("RESULT "):])["unusable"] == "rank 0 gave up on it: rank 0 gave up on it for the test", outputs[1]
+
+
 def test_roots_may_be_numpy_or_torch_integers_and_a_bad_one_names_the_groups_ranks():
     import numpy as np
 

@@ -82,13 +82,14 @@ class Watchdog:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="spmd-watchdog", daemon=True)
 
-    def start(self) -> None:
+    def start(self, baseline: tuple[int, int] | None = None) -> None:
+        """Start the thread. ``baseline``: ``announcements_so_far`` as read before this world's ranks had
+        all arrived (default: read now); the announcements after it are this world's."""
         self.started_at = time.time()
         self.history = HistoryCheck(self.client, self.lock, self.rank, self.started_at)
         with self.lock:
             self.seen_requests = int(self.client.add(DUMP_COUNTER, 0))
-            self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 0))
-            self.unusable_before = int(self.client.add(UNUSABLE_NUMBER, 0))
+            self.unusable_before, self.seen_unusable = baseline if baseline is not None else announcements_so_far(self.client)
         self.thread.start()
 
     def stop(self, wait_s: float = 5.0) -> None:
@@ -233,13 +234,25 @@ def store_gone(error: BaseException) -> bool:
     return any(sign in text for sign in ("Broken pipe", "Connection reset", "Connection refused", "Failed to recv"))
 
 
-def start(store: tdist.Store, rank: int, store_host: str | None = None) -> Watchdog | None:
-    """Start the process's watchdog (unless ``SPMD_WATCHDOG=0``); ``store_host`` says who hosts ``store``."""
+def announcements_so_far(store: tdist.Store) -> tuple[int, int]:
+    """(the number of the last announcement that a rank gave a group up, how many were made) on ``store``.
+
+    Read before every rank of a world has arrived at init, it comes before any
+    announcement of that world: a rank whose watchdog starts after a peer
+    already gave a group up then still adopts it (read at the watchdog's start,
+    that announcement was taken for an earlier world's and ignored).
+    """
+    return int(store.add(UNUSABLE_NUMBER, 0)), int(store.add(UNUSABLE_COUNT, 0))
+
+
+def start(store: tdist.Store, rank: int, store_host: str | None = None, baseline: tuple[int, int] | None = None) -> Watchdog | None:
+    """Start the process's watchdog (unless ``SPMD_WATCHDOG=0``); ``store_host`` says who hosts ``store``,
+    ``baseline`` is ``announcements_so_far(store)`` from before the world's ranks had all arrived."""
     global _watchdog
     if os.environ.get("SPMD_WATCHDOG", "1") == "0":
         return None
     _watchdog = Watchdog(store, rank, store_host=store_host)
-    _watchdog.start()
+    _watchdog.start(baseline)
     return _watchdog
 
 

@@ -476,8 +476,8 @@ def stale_and_fresh_announcements() -> dict[str, object]:
     if spmd.get_rank() == 0:
         with dog.lock:
             # numbered as an announcement made before this world's watchdogs started, and one made now
-            dog.client.set(watchdog.UNUSABLE_KEY.format(group=old.name), f"{dog.unusable_before}|rank 1 gave up on it: long ago")
-            number = dog.client.add(watchdog.UNUSABLE_NUMBER, 1)
+            dog.client.set(watchdog.UNUSABLE_KEY.format(group=old.name), f"{dog.world_from}|rank 1 gave up on it: long ago")
+            number = dog.client.add(watchdog.CLOCK, 1)
             dog.client.set(watchdog.UNUSABLE_KEY.format(group=new.name), f"{number}|rank 1 gave up on it: now")
             dog.client.add(watchdog.UNUSABLE_COUNT, 1)
     deadline = time.monotonic() + 10

@@ -73,12 +73,25 @@ def test_rank_that_skips_a_collective(tmp_path, backend):
     assert "stuck at #1" in text
 
 
+def test_a_live_rank_whose_clock_runs_behind_is_not_called_dead(tmp_path):
+    """Rank 2 skips collective #1 but lives, on a host whose clock is 30 s behind: the diagnosis places it
+    and does not call it dead (the heartbeat's age was read across hosts' clocks: "no heartbeat for 30 s")."""
+    results = run_world("skip", "gloo", tmp_path, {"FAULT_CLOCK_BEHIND_S": "30"})
+    diagnosed = [results[r]["message"] for r in (0, 1) if results[r]["error"] == "CollectiveTimeoutError"]
+    assert diagnosed, results
+    for message in diagnosed:
+        assert "ranks that never reached seq 1: [2]" in message and "rank 2: last started" in message, message
+        assert "likely dead" not in message, message
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rank_that_exits_mid_job(tmp_path, backend):
     results = run_world("exit", backend, tmp_path)
     assert 2 not in results
     for r in (0, 1):
         _assert_named_in_time(results[r], ("CollectiveTimeoutError", "CollectiveError"))
+    # (the first to fail explains it; the other may be stopped by its announcement first)
+    assert any("rank 2: never published progress; did not answer a dump request" in results[r]["message"] for r in (0, 1)), results
     text, data = analysis(tmp_path)
     assert data["ranks_without_dumps"] == [2]
     assert "NO DUMP from ranks [2]" in text

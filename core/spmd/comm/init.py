@@ -20,7 +20,7 @@ from spmd.comm.group import ProcessGroup, forget_group_names
 from spmd.comm.registry import backends, parse_backend_string
 from spmd.comm.store_join import await_arrivals, check_resolvable, client_store, host_store
 from spmd.comm.tcp_store import job_scope
-from spmd.debug.watchdog import announcements_so_far
+from spmd.debug.watchdog import world_baseline
 from spmd.errors import BackendUnavailableError, SpmdError
 
 log = logging.getLogger("spmd")
@@ -194,7 +194,7 @@ def init_process_group(
         else:
             rank, world_size, addr, port = _resolve_world(init_method, rank, world_size)
         store, store_host = _make_store(init_method, rank, world_size, addr, port, timeout)
-        baseline = announcements_so_far(store)  # before the arrivals: every later announcement is this world's
+        baseline = world_baseline(store)  # before the arrivals: what the store numbers later is this world's
         if world_size > 1:
             await_arrivals(store, rank, world_size, timeout)  # names a rank that never came, on every rank
     elif rank < 0 or world_size < 0:
@@ -202,7 +202,7 @@ def init_process_group(
     elif not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world size {world_size}: ranks are 0..{world_size - 1}")
     else:  # a store handed in: no arrival step to read it before, so as early as this rank can
-        baseline = announcements_so_far(store)
+        baseline = world_baseline(store)
 
     forget_group_names()  # a new world numbers its groups' reused names afresh, as every rank does
     world = ProcessGroup(group_name, range(world_size), rank, store, timeout, backend_map, pg_options)
@@ -216,7 +216,7 @@ def init_process_group(
 
 def _start_debugging(store: tdist.Store, rank: int, trace_dir: str | os.PathLike | None, store_host: str | None,
                      baseline: tuple[int, int]) -> None:
-    """The watchdog thread (``baseline``: see ``watchdog.announcements_so_far``), the trace directory, and SIGUSR1 as an on-demand dump."""
+    """The watchdog thread (``baseline``: see ``watchdog.world_baseline``), the trace directory, and SIGUSR1 as an on-demand dump."""
     from spmd.debug import desync, dump, watchdog
 
     desync.refresh()

@@ -24,13 +24,16 @@ from __future__ import annotations
 import collections
 import json
 import threading
-import time
 from typing import Any
 
 from spmd.debug.desync import call_signature, pair_split_mismatch
 from spmd.debug.recorder import recorder
 
 HISTORY_KEY = "spmd/debug/history/{group}/{rank}"
+#: The store's logical clock: numbers published call histories and announcements that a rank gave a group up
+#: (spmd.debug.watchdog), in store order, so a rank tells this world's from an earlier world's on the same
+#: store without comparing hosts' wall clocks.
+CLOCK = "spmd/debug/clock"
 #: Calls per group in each published payload (each step publishes the newest ones).
 PUBLISHED = 256
 
@@ -38,11 +41,11 @@ PUBLISHED = 256
 class HistoryCheck:
     """One rank's side of the check; run by the watchdog thread (``step``) on the watchdog's store client."""
 
-    def __init__(self, client: Any, lock: threading.Lock, rank: int, started_at: float) -> None:
+    def __init__(self, client: Any, lock: threading.Lock, rank: int, world_from: int) -> None:
         self.client = client
         self.lock = lock
         self.rank = rank
-        self.started_at = started_at
+        self.world_from = world_from  # histories numbered up to it are an earlier world's (see watchdog.CLOCK)
         self.calls: dict[str, collections.deque[tuple[int, str]]] = {}  # group uid -> its newest (seq, signature)s
         self.checked: dict[str, int] = {}  # group uid -> the highest seq compared with the neighbour
 
@@ -70,9 +73,9 @@ class HistoryCheck:
             calls = self.calls[group.uid] = collections.deque(maxlen=PUBLISHED)
         if new:
             calls.extend(new)
-            payload = json.dumps({"t": time.time(), "calls": list(calls)})
             with self.lock:
-                self.client.set(HISTORY_KEY.format(group=group.uid, rank=self.rank), payload)
+                number = int(self.client.add(CLOCK, 1))
+                self.client.set(HISTORY_KEY.format(group=group.uid, rank=self.rank), json.dumps({"n": number, "calls": list(calls)}))
         return calls
 
     def _read(self, uid: str, rank: int) -> dict[int, str]:
@@ -82,7 +85,7 @@ class HistoryCheck:
         if raw is None:
             return {}
         payload = json.loads(raw)
-        if payload["t"] < self.started_at:  # left on a store that outlived an earlier world of this name
+        if payload.get("n", 0) <= self.world_from:  # left on a store that outlived an earlier world of this name
             return {}
         return {int(seq): signature for seq, signature in payload["calls"]}
 

@@ -5,7 +5,7 @@ ages the outstanding async Works and fails those past their deadline
 (``expire_overdue``), waited on or not, adopts the groups other ranks gave up
 on, runs the mismatch check (``spmd.debug.history``) and, when any rank asked
 for dumps, dumps the flight recorder; every interval it writes this rank's
-per-group progress and a heartbeat to the store. It uses its own store client,
+per-group progress to the store. It uses its own store client,
 so a main thread blocked in the store never stalls it. ``diagnose`` runs in
 the waiting thread when a Work times out or fails: it reads every member's
 progress and names who never arrived, who diverged, and who looks dead.
@@ -25,7 +25,7 @@ import torch.distributed as tdist
 
 from spmd.debug.desync import comparable_signature
 from spmd.debug.dump import dump, trace_dir
-from spmd.debug.history import HistoryCheck
+from spmd.debug.history import CLOCK, HistoryCheck
 from spmd.debug.recorder import Entry, recorder
 from spmd.errors import first_line
 
@@ -34,7 +34,6 @@ DUMP_COUNTER = "spmd/debug/dump_requests"
 DUMP_REASON = "spmd/debug/dump_reason"
 DUMPED_KEY = "spmd/debug/dumped/{rank}"  # the last request number this rank served
 UNUSABLE_COUNT = "spmd/debug/unusable_count"  # bumped whenever a rank gives up on a group (after its key is set)
-UNUSABLE_NUMBER = "spmd/debug/unusable_number"  # numbers the announcements, in store order (no clocks)
 UNUSABLE_KEY = "spmd/debug/unusable/{group}"  # "<number>|which rank gave up on the group, and why"
 #: How often (seconds, at most) the watchdog looks for async Works past their deadline.
 DEADLINE_STEP = 0.2
@@ -75,21 +74,19 @@ class Watchdog:
         self.lock = threading.Lock()  # one user of the client at a time: the thread or a diagnosis
         self.seen_requests = 0
         self.seen_unusable = 0
-        #: Announcements numbered up to this one were made before this watchdog started (an earlier
-        #: world on the same store): ignored. Numbers, not wall times, which differ across hosts.
-        self.unusable_before = 0
-        self.started_at = 0.0
+        #: The store's CLOCK before this world's ranks had all arrived: announcements and histories
+        #: numbered up to it are an earlier world's on the same store, ignored.
+        self.world_from = 0
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="spmd-watchdog", daemon=True)
 
     def start(self, baseline: tuple[int, int] | None = None) -> None:
-        """Start the thread. ``baseline``: ``announcements_so_far`` as read before this world's ranks had
-        all arrived (default: read now); the announcements after it are this world's."""
-        self.started_at = time.time()
-        self.history = HistoryCheck(self.client, self.lock, self.rank, self.started_at)
+        """Start the thread. ``baseline``: ``world_baseline`` as read before this world's ranks had
+        all arrived (default: read now); what the store numbers after it is this world's."""
         with self.lock:
             self.seen_requests = int(self.client.add(DUMP_COUNTER, 0))
-            self.unusable_before, self.seen_unusable = baseline if baseline is not None else announcements_so_far(self.client)
+            self.world_from, self.seen_unusable = baseline if baseline is not None else world_baseline(self.client)
+        self.history = HistoryCheck(self.client, self.lock, self.rank, self.world_from)
         self.thread.start()
 
     def stop(self, wait_s: float = 5.0) -> None:
@@ -135,7 +132,7 @@ class Watchdog:
     def tick(self) -> None:
         """Publish this rank's progress and serve dump requests (forgetting finished async ops first)."""
         recorder.poll_outstanding()
-        payload = json.dumps({"t": time.time(), "progress": recorder.published_progress(comparable_signature)})
+        payload = json.dumps({"progress": recorder.published_progress(comparable_signature)})
         with self.lock:
             self.client.set(PROGRESS_KEY.format(rank=self.rank), payload)
             requests = int(self.client.add(DUMP_COUNTER, 0))
@@ -150,7 +147,7 @@ class Watchdog:
     def announce_unusable(self, group: str, reason: str) -> None:
         """Tell the other ranks that this rank gave up on ``group`` (one set, one add)."""
         with self.lock:  # the number tells this world's announcements from an earlier world's on the same store
-            number = int(self.client.add(UNUSABLE_NUMBER, 1))
+            number = int(self.client.add(CLOCK, 1))
             self.client.set(UNUSABLE_KEY.format(group=group), f"{number}|rank {self.rank} gave up on it: {reason}")
             self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 1))  # (after the key: a reader that sees it finds the key)
 
@@ -175,7 +172,7 @@ class Watchdog:
             if value is None:
                 continue
             number, _, reason = value.partition("|")
-            if int(number) > self.unusable_before:  # not left over from an earlier world of that name
+            if int(number) > self.world_from:  # not left over from an earlier world of that name
                 group.mark_unusable(reason, announce=False)
                 group.fail_pending()
 
@@ -202,9 +199,9 @@ class Watchdog:
             self.client.set(DUMPED_KEY.format(rank=self.rank), str(request))
         return request
 
-    def await_dumps(self, ranks: list[int], request: int, deadline: float) -> None:
+    def await_dumps(self, ranks: list[int], request: int, deadline: float) -> list[int]:
         """Wait (bounded) until ``ranks`` served ``request``, so their dumps exist before this rank
-        raises and perhaps exits (taking the store it hosts with it)."""
+        raises and perhaps exits (taking the store it hosts with it); returns those that did not."""
         keys = {r: DUMPED_KEY.format(rank=r) for r in ranks if r != self.rank}
         while keys and time.monotonic() < deadline:
             with self.lock:
@@ -213,6 +210,7 @@ class Watchdog:
                 keys.pop(r)
             if keys:
                 time.sleep(0.02)
+        return list(keys)
 
     def read_progress(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
         keys = {r: PROGRESS_KEY.format(rank=r) for r in ranks}
@@ -234,20 +232,20 @@ def store_gone(error: BaseException) -> bool:
     return any(sign in text for sign in ("Broken pipe", "Connection reset", "Connection refused", "Failed to recv"))
 
 
-def announcements_so_far(store: tdist.Store) -> tuple[int, int]:
-    """(the number of the last announcement that a rank gave a group up, how many were made) on ``store``.
+def world_baseline(store: tdist.Store) -> tuple[int, int]:
+    """(the store's CLOCK, how many announcements that a rank gave a group up were made) on ``store`` now.
 
-    Read before every rank of a world has arrived at init, it comes before any
-    announcement of that world: a rank whose watchdog starts after a peer
+    Read before every rank of a world has arrived at init, it comes before
+    anything that world publishes: a rank whose watchdog starts after a peer
     already gave a group up then still adopts it (read at the watchdog's start,
     that announcement was taken for an earlier world's and ignored).
     """
-    return int(store.add(UNUSABLE_NUMBER, 0)), int(store.add(UNUSABLE_COUNT, 0))
+    return int(store.add(CLOCK, 0)), int(store.add(UNUSABLE_COUNT, 0))
 
 
 def start(store: tdist.Store, rank: int, store_host: str | None = None, baseline: tuple[int, int] | None = None) -> Watchdog | None:
     """Start the process's watchdog (unless ``SPMD_WATCHDOG=0``); ``store_host`` says who hosts ``store``,
-    ``baseline`` is ``announcements_so_far(store)`` from before the world's ranks had all arrived."""
+    ``baseline`` is ``world_baseline(store)`` from before the world's ranks had all arrived."""
     global _watchdog
     if os.environ.get("SPMD_WATCHDOG", "1") == "0":
         return None
@@ -303,30 +301,30 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
             dog.store_lost = first
             return dog.store_lost_message(first)
         return f" (could not read the other ranks' progress: {first})"
+    # Peers serve dump requests at every watchdog step (0.2 s): allow about five, fewer with a short interval.
+    answer_s = min(5 * DEADLINE_STEP, 1.5 * dog.interval + 0.2)
+    silent: list[int] = []
     try:
         request = dog.request_dumps(f"{what}: {entry.op} on group {group.name!r} seq {entry.seq} (rank {dog.rank})")
-        # Wait (bounded) for every rank not known dead, including ranks that have not published
-        # yet: an op can fail fast, before their first heartbeat. Serving the dump request
-        # publishes their progress too, so it is read again afterwards.
-        silent = [r for r, info in progress.items() if info is not None and time.time() - info["t"] > 3 * dog.interval + 1]
-        # Peers serve dump requests at every watchdog step (0.2 s): allow about five, fewer with a short interval.
-        dog.await_dumps([r for r in group.ranks if r not in silent], request, time.monotonic() + min(5 * DEADLINE_STEP, 1.5 * dog.interval + 0.2))
+        # Wait (bounded) for every rank, including ranks that have not published yet: an op can fail
+        # fast, before their first heartbeat. A live rank's watchdog answers even while its main thread
+        # is stuck, so one that does not is likely dead (told without comparing hosts' clocks). Serving
+        # the request publishes their progress too, so it is read again afterwards.
+        silent = dog.await_dumps(list(group.ranks), request, time.monotonic() + answer_s)
         progress = dog.read_progress(list(group.ranks))
     except Exception:  # noqa: BLE001 - the store may be gone; the diagnosis stands on what was read
         pass
-    now = time.time()
     never, diverged, ahead, lines = [], [], [], []
     calls: dict[int, str] = {}  # the signature each rank gave this seq, where it published one
     collective = entry.seq >= 0  # (a point-to-point op has no sequence number to place the ranks against)
     for r in group.ranks:
         info = progress.get(r)
+        dead = f"; did not answer a dump request within {answer_s:.1f} s (likely dead)" if r in silent else ""
         if info is None:
             never.append(r)
-            lines.append(f"    rank {r}: never published progress (not started, or died early)")
+            lines.append(f"    rank {r}: never published progress{dead or ' (not started, or died early)'}")
             continue
-        age = now - info["t"]
         state = info["progress"].get(group.name)
-        dead = f"; no heartbeat for {age:.1f} s (likely dead)" if age > 3 * dog.interval + 1 else ""
         if state is None:
             never.append(r)
             lines.append(f"    rank {r}: no op on this group yet{dead}")

@@ -73,6 +73,19 @@ def test_rank_that_skips_a_collective(tmp_path, backend):
     assert "stuck at #1" in text
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_raises_and_exits_is_named_with_its_reason(tmp_path, backend):
+    """Rank 2's call raises (a wrong output size), it gives the group up and its process ends: the others,
+    whose ops break when its connections close, name rank 2's reason (they said only "connection closed",
+    or the reason of whichever survivor failed first)."""
+    results = run_world("raise_and_exit", backend, tmp_path)
+    assert 2 not in results
+    for r in (0, 1):
+        assert results[r]["error"] == "CollectiveError", results[r]
+        assert "rank 2 gave up on it: all_gather_into_tensor raised on rank 2" in results[r]["message"], results[r]["message"]
+        assert results[r]["elapsed"] < TIMEOUT, results[r]
+
+
 def test_a_live_rank_whose_clock_runs_behind_is_not_called_dead(tmp_path):
     """Rank 2 skips collective #1 but lives, on a host whose clock is 30 s behind: the diagnosis places it
     and does not call it dead (the heartbeat's age was read across hosts' clocks: "no heartbeat for 30 s")."""

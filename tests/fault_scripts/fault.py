@@ -33,6 +33,11 @@ try:
         result["skipped"] = True
     elif scenario == "exit" and rank == 2:
         os._exit(3)
+    elif scenario == "raise_and_exit" and rank == 2:
+        try:
+            spmd.all_gather_into_tensor(torch.empty(3), t)  # a wrong output size: raises here, gives the group up
+        finally:
+            os._exit(1)  # as an uncaught error would end the process
     elif scenario == "rank0_leaves" and rank == 0:
         os._exit(0)  # the rank that hosts the store outside `spmd run`; exit 0: the agent keeps the rest
     elif scenario == "mismatch_op" and rank == 2:

@@ -16,8 +16,10 @@ def explain_failure(group: ProcessGroup, entry: Entry, error: BaseException) -> 
 
     Called only on the error path (by ``Work.wait``), so the hot path builds no closures for it.
     """
-    from spmd.debug.watchdog import diagnose
+    from spmd.debug.watchdog import adopt_announcements, diagnose
 
+    if group.unusable is None:
+        adopt_announcements()  # a peer that gave the group up may be why this op broke
     desc = group.describe(entry.op, entry.seq)
     if not isinstance(error, (CollectiveTimeoutError, CollectiveError)):
         if isinstance(error, SpmdError) or not isinstance(error, Exception):

@@ -19,6 +19,7 @@ from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import NativeWork, NativeWorkAdapter, Timeout, Work, seconds
 from spmd.debug import desync
 from spmd.debug.recorder import Entry, recorder
+from spmd.debug.watchdog import adopt_announcements
 from spmd.errors import CollectiveDesyncError, CollectiveError, CollectiveTimeoutError
 
 #: What ``begin`` hands ``complete``: the recorded entry, or the op, tensors and reduce op to record
@@ -252,7 +253,9 @@ def _wait_here(native: NativeWork, group: ProcessGroup, op: str, call: Call, aft
     work.default_timeout, work._entry, work._group = limit, entry, group
     if op != entry.op:  # point-to-point: "isend to rank 3 (tag 0)"
         work._describe = lambda: group.describe(op)
-    if finished and group.unusable is not None:  # aborted: given up meanwhile (a peer's failure, announced)
+    if finished and group.unusable is None:
+        adopt_announcements()  # failed: a peer that gave the group up and left (closing its connections)?
+    if finished and group.unusable is not None:  # aborted, or broken by a peer that gave the group up
         given_up = group.refusal()
         work._finish(None, given_up)
         raise work._explain(given_up)

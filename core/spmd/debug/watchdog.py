@@ -145,10 +145,16 @@ class Watchdog:
 
     # -- groups a rank gave up on ------------------------------------------------------------
     def announce_unusable(self, group: str, reason: str) -> None:
-        """Tell the other ranks that this rank gave up on ``group`` (one set, one add)."""
+        """Tell the other ranks that this rank gave up on ``group``, unless another rank of this world
+        already did: the first reason is the cause (the later ones are mostly ops it broke), so it stays."""
+        key = UNUSABLE_KEY.format(group=group)
         with self.lock:  # the number tells this world's announcements from an earlier world's on the same store
-            number = int(self.client.add(CLOCK, 1))
-            self.client.set(UNUSABLE_KEY.format(group=group), f"{number}|rank {self.rank} gave up on it: {reason}")
+            old = self.client.get(key).decode() if self.client.check([key]) else ""
+            if old and int(old.partition("|")[0]) > self.world_from:
+                return
+            value = f"{int(self.client.add(CLOCK, 1))}|rank {self.rank} gave up on it: {reason}"
+            if self.client.compare_set(key, old, value).decode() != value:
+                return  # another rank's announcement came in between
             self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 1))  # (after the key: a reader that sees it finds the key)
 
     def adopt_unusable(self) -> None:
@@ -230,6 +236,22 @@ def store_gone(error: BaseException) -> bool:
         return True
     text = str(error)
     return any(sign in text for sign in ("Broken pipe", "Connection reset", "Connection refused", "Failed to recv"))
+
+
+def adopt_announcements() -> None:
+    """Adopt at once, not at the watchdog's next step, the groups other ranks gave up on.
+
+    For the error path: a peer that gives a group up and then exits (closing
+    its connections) breaks this rank's op a moment after its announcement,
+    and the error should name the peer's reason, not only the closed socket.
+    """
+    dog = _watchdog
+    if dog is None or dog.store_lost is not None:
+        return
+    try:
+        dog.adopt_unusable()
+    except Exception:  # noqa: BLE001 - the store may be gone; the error stands without it
+        pass
 
 
 def world_baseline(store: tdist.Store) -> tuple[int, int]:

@@ -188,13 +188,12 @@ def test_a_rank_whose_call_raises_leaves_its_group_unusable_everywhere(spmd_worl
         assert "all_gather_into_tensor" in later, rank1
 
 
-@pytest.mark.parametrize("backend", ["mpi", "ucc", "p2p"])
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "ucc", "p2p"])
 def test_a_rank_inside_a_collective_stops_when_its_peer_gives_the_group_up(spmd_world, backend):
     """Rank 1 waits inside the backend (timeout 60 s) when rank 0's call raises: the kernel aborts
-    rank 1's wait once rank 0's announcement arrives, and rank 1 raises the group's refusal, naming
-    rank 0's reason, within seconds instead of at the timeout. (Not Gloo: nothing ends a wait on a
-    c10d Gloo op, neither its abort() nor shutdown(), and waiting it in timed steps instead kept
-    Gloo's own timeout from firing in a 3-rank run, so Gloo ranks wait to their timeout.)"""
+    rank 1's wait once rank 0's announcement arrives (Gloo, where nothing ends a wait on a c10d op:
+    rank 0 closes the group's connections), and rank 1 raises the group's refusal, naming rank 0's
+    reason, within seconds instead of at the timeout."""
     rank0, rank1 = _run_and_discard(spmd_world, backend, helpers.peer_gives_up_while_inside, 60.0, timeout=150)
     assert rank0.startswith("ValueError") and "output has 3 elements" in rank0, rank0
     assert rank1.startswith("CollectiveError") and "rank 0 gave up on it: all_gather_into_tensor raised on rank 0" in rank1, rank1

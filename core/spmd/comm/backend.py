@@ -321,6 +321,14 @@ class Backend(abc.ABC):
         """
         return None
 
+    def abandon(self) -> None:
+        """The group was given up (by this rank, or by a peer and announced): end, without waiting here,
+        what the peers may be blocked on in this backend, so their waits fail at once instead of at
+        their timeout; for example close the group's connections (spmd-gloo). Later ops are refused
+        by the kernel, and ``close`` still follows at destroy. Default: nothing (this rank's own waits
+        are ended through ``NativeWork.abort``)."""
+        return None
+
     def close(self) -> None:
         """Release resources; the generic worker thread stops."""
         runner = self.__dict__.pop("_spmd_runner", None)

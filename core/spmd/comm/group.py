@@ -124,7 +124,8 @@ class ProcessGroup:
         ``backends_by_device`` sends every op to ``backend_for``, which raises:
         the hot path pays nothing for the check. With ``announce`` the other
         ranks' watchdogs learn it too (within one watchdog step, 0.2 s) and
-        refuse their next op on the group as well.
+        refuse their next op on the group as well. Each backend is then told to
+        ``abandon`` the group, ending what peers wait on in it where it can.
         """
         first = self.unusable is None
         if first:
@@ -138,6 +139,12 @@ class ProcessGroup:
                 try:
                     dog.announce_unusable(self.uid, reason)
                 except Exception:  # noqa: BLE001 - the store may be gone; this rank refuses regardless
+                    pass
+        if first:  # (after the announcement: a peer whose op breaks now finds the reason in the store)
+            for backend in list(self._backends.values()):
+                try:
+                    backend.abandon()
+                except Exception:  # noqa: BLE001 - the peers still time out at their deadline
                     pass
 
     def fail_pending(self) -> None:

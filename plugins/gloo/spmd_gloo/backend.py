@@ -376,6 +376,20 @@ class GlooBackend(Backend):
     def barrier(self) -> Work | NativeWork:
         return self._wrap(self.pg.barrier())
 
+    def abandon(self) -> None:
+        """Close the group's connections, so a peer blocked in one of its ops fails at once ("connection
+        closed by peer"): c10d offers no call that ends a Gloo wait, neither here nor on the peer. The
+        ProcessGroupGloo is released on a thread of its own, as its destructor waits for this rank's ops
+        still running on it (each ends at the group timeout at the latest)."""
+        box = [self.pg]
+        self.pg = None  # type: ignore[assignment]
+        if box[0] is not None:
+            self._releasing = threading.Thread(target=box.clear, name="spmd-gloo-abandon", daemon=True)
+            self._releasing.start()
+
     def close(self) -> None:
         super().close()
         self.pg = None  # type: ignore[assignment]
+        releasing = getattr(self, "_releasing", None)
+        if releasing is not None:  # bounded: it may wait out an op of this rank's until the group timeout
+            releasing.join(5.0)

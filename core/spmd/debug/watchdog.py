@@ -72,6 +72,7 @@ class Watchdog:
         self.interval = interval if interval is not None else _interval()
         self.client = _own_client(store)
         self.lock = threading.Lock()  # one user of the client at a time: the thread or a diagnosis
+        self.adopting = threading.RLock()  # one adopt_unusable at a time (re-entered from a failing callback)
         self.seen_requests = 0
         self.seen_unusable = 0
         #: The store's CLOCK before this world's ranks had all arrived: announcements and histories
@@ -155,32 +156,37 @@ class Watchdog:
             value = f"{int(self.client.add(CLOCK, 1))}|rank {self.rank} gave up on it: {reason}"
             if self.client.compare_set(key, old, value).decode() != value:
                 return  # another rank's announcement came in between
-            self.seen_unusable = int(self.client.add(UNUSABLE_COUNT, 1))  # (after the key: a reader that sees it finds the key)
+            # (after the key: a reader that sees the count finds the key; this rank's own count is not taken
+            # as seen, so an announcement another rank made meanwhile, maybe of another group, is still read)
+            self.client.add(UNUSABLE_COUNT, 1)
 
     def adopt_unusable(self) -> None:
         """Mark unusable here every group another rank gave up on, and fail its pending async Works.
 
         One store read per watchdog step while nothing happens. A rank that
         arrives late to an op its peer abandoned then gets the named error at
-        its next call instead of pairing with the abandoned op.
+        its next call instead of pairing with the abandoned op. Called by the
+        watchdog thread and on the error path (``adopt_announcements``): one
+        at a time, so a caller that returns has seen every announcement made before.
         """
-        with self.lock:
-            count = int(self.client.add(UNUSABLE_COUNT, 0))
-        if count == self.seen_unusable:
-            return
-        self.seen_unusable = count
-        for group in self._groups():
-            if group.unusable is not None:
-                continue
-            key = UNUSABLE_KEY.format(group=group.uid)
+        with self.adopting:
             with self.lock:
-                value = self.client.get(key).decode() if self.client.check([key]) else None
-            if value is None:
-                continue
-            number, _, reason = value.partition("|")
-            if int(number) > self.world_from:  # not left over from an earlier world of that name
-                group.mark_unusable(reason, announce=False)
-                group.fail_pending()
+                count = int(self.client.add(UNUSABLE_COUNT, 0))
+            if count == self.seen_unusable:
+                return
+            for group in self._groups():
+                if group.unusable is not None:
+                    continue
+                key = UNUSABLE_KEY.format(group=group.uid)
+                with self.lock:
+                    value = self.client.get(key).decode() if self.client.check([key]) else None
+                if value is None:
+                    continue
+                number, _, reason = value.partition("|")
+                if int(number) > self.world_from:  # not left over from an earlier world of that name
+                    group.mark_unusable(reason, announce=False)
+                    group.fail_pending()
+            self.seen_unusable = count
 
     @staticmethod
     def _groups() -> list[Any]:

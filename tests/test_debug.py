@@ -83,7 +83,7 @@ def test_a_rank_that_raises_and_exits_is_named_with_its_reason(tmp_path, backend
     for r in (0, 1):
         assert results[r]["error"] == "CollectiveError", results[r]
         assert "rank 2 gave up on it: all_gather_into_tensor raised on rank 2" in results[r]["message"], results[r]["message"]
-        assert results[r]["elapsed"] < TIMEOUT, results[r]
+        assert results[r]["elapsed"] < TIMEOUT + 2, results[r]  # (the diagnosis watches the dead rank for a second or two)
 
 
 def test_a_live_rank_whose_clock_runs_behind_is_not_called_dead(tmp_path):
@@ -104,7 +104,7 @@ def test_rank_that_exits_mid_job(tmp_path, backend):
     for r in (0, 1):
         _assert_named_in_time(results[r], ("CollectiveTimeoutError", "CollectiveError"))
     # (the first to fail explains it; the other may be stopped by its announcement first)
-    assert any("rank 2: never published progress; did not answer a dump request" in results[r]["message"] for r in (0, 1)), results
+    assert any("rank 2: never published progress, nor answered a dump request" in results[r]["message"] for r in (0, 1)), results
     text, data = analysis(tmp_path)
     assert data["ranks_without_dumps"] == [2]
     assert "NO DUMP from ranks [2]" in text

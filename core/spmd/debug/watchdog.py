@@ -75,6 +75,7 @@ class Watchdog:
         self.adopting = threading.RLock()  # one adopt_unusable at a time (re-entered from a failing callback)
         self.seen_requests = 0
         self.seen_unusable = 0
+        self.beats = 0  # how many times this rank published its progress: a peer sees it move while this rank lives
         #: The store's CLOCK before this world's ranks had all arrived: announcements and histories
         #: numbered up to it are an earlier world's on the same store, ignored.
         self.world_from = 0
@@ -133,7 +134,8 @@ class Watchdog:
     def tick(self) -> None:
         """Publish this rank's progress and serve dump requests (forgetting finished async ops first)."""
         recorder.poll_outstanding()
-        payload = json.dumps({"progress": recorder.published_progress(comparable_signature)})
+        self.beats += 1
+        payload = json.dumps({"beat": self.beats, "progress": recorder.published_progress(comparable_signature)})
         with self.lock:
             self.client.set(PROGRESS_KEY.format(rank=self.rank), payload)
             requests = int(self.client.add(DUMP_COUNTER, 0))
@@ -224,6 +226,22 @@ class Watchdog:
                 time.sleep(0.02)
         return list(keys)
 
+    def await_signs_of_life(self, ranks: list[int], request: int, before: dict[int, dict[str, Any] | None], deadline: float) -> list[int]:
+        """Of ``ranks``, those that until ``deadline`` neither served ``request`` nor published progress
+        again since ``before`` (its beat moved): told without comparing hosts' clocks. A rank busy with its
+        own failure (dumping, explaining) may answer late, but its watchdog still publishes every interval."""
+        silent = [r for r in ranks if r != self.rank]
+        while silent:
+            progress = self.read_progress(silent)
+            with self.lock:
+                answered = {r for r in silent if self.client.check([DUMPED_KEY.format(rank=r)])
+                            and int(self.client.get(DUMPED_KEY.format(rank=r))) >= request}
+            silent = [r for r in silent if r not in answered and _beat(progress.get(r)) == _beat(before.get(r))]
+            if not silent or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        return silent
+
     def read_progress(self, ranks: list[int]) -> dict[int, dict[str, Any] | None]:
         keys = {r: PROGRESS_KEY.format(rank=r) for r in ranks}
         out: dict[int, dict[str, Any] | None] = {}
@@ -242,6 +260,11 @@ def store_gone(error: BaseException) -> bool:
         return True
     text = str(error)
     return any(sign in text for sign in ("Broken pipe", "Connection reset", "Connection refused", "Failed to recv"))
+
+
+def _beat(progress: dict[str, Any] | None) -> int:
+    """A published progress's beat (-1: none published)."""
+    return -1 if progress is None else int(progress.get("beat", 0))
 
 
 def adopt_announcements() -> None:
@@ -331,14 +354,19 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
         return f" (could not read the other ranks' progress: {first})"
     # Peers serve dump requests at every watchdog step (0.2 s): allow about five, fewer with a short interval.
     answer_s = min(5 * DEADLINE_STEP, 1.5 * dog.interval + 0.2)
+    # A live rank publishes every interval (a step late at most): watched that long, one that neither
+    # answers nor publishes is likely dead. Told without comparing hosts' clocks.
+    life_s = dog.interval + 1.0
     silent: list[int] = []
     try:
+        looked = time.monotonic()
         request = dog.request_dumps(f"{what}: {entry.op} on group {group.name!r} seq {entry.seq} (rank {dog.rank})")
         # Wait (bounded) for every rank, including ranks that have not published yet: an op can fail
-        # fast, before their first heartbeat. A live rank's watchdog answers even while its main thread
-        # is stuck, so one that does not is likely dead (told without comparing hosts' clocks). Serving
-        # the request publishes their progress too, so it is read again afterwards.
-        silent = dog.await_dumps(list(group.ranks), request, time.monotonic() + answer_s)
+        # fast, before their first heartbeat. Serving the request publishes their progress too, so it
+        # is read again afterwards.
+        unanswered = dog.await_dumps(list(group.ranks), request, time.monotonic() + answer_s)
+        if unanswered:  # (only then: a rank that answered is alive)
+            silent = dog.await_signs_of_life(unanswered, request, progress, looked + life_s)
         progress = dog.read_progress(list(group.ranks))
     except Exception:  # noqa: BLE001 - the store may be gone; the diagnosis stands on what was read
         pass
@@ -347,11 +375,12 @@ def diagnose(group: Any, entry: Entry, what: str) -> str:
     collective = entry.seq >= 0  # (a point-to-point op has no sequence number to place the ranks against)
     for r in group.ranks:
         info = progress.get(r)
-        dead = f"; did not answer a dump request within {answer_s:.1f} s (likely dead)" if r in silent else ""
         if info is None:
             never.append(r)
-            lines.append(f"    rank {r}: never published progress{dead or ' (not started, or died early)'}")
+            why = f", nor answered a dump request within {life_s:.1f} s (likely dead)" if r in silent else " (not started, or died early)"
+            lines.append(f"    rank {r}: never published progress{why}")
             continue
+        dead = f"; neither answered a dump request nor published progress for {life_s:.1f} s (likely dead)" if r in silent else ""
         state = info["progress"].get(group.name)
         if state is None:
             never.append(r)

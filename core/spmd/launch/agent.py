@@ -181,10 +181,11 @@ class Agent:
         while True:
             done, failure = self.group.poll()
             if failure is not None:
-                rdzv.store.compare_set(failed_key, "", failure.to_json())  # the first failure wins
-                return "failed", Failure.from_json(rdzv.store.get(failed_key).decode())
-            if rdzv.store.check([failed_key]):  # before trusting `done`: another node's failure fails the round
-                return "failed", Failure.from_json(rdzv.store.get(failed_key).decode())
+                first = rdzv.store.compare_set(failed_key, "", failure.to_json())  # the first failure wins
+                return "failed", Failure.from_json(first.decode())
+            elsewhere = _failure_of(rdzv, failed_key)  # before trusting `done`: another node's failure fails the round
+            if elsewhere is not None:
+                return "failed", elsewhere
             if done:
                 return "done", None
             if rdzv.store.check(["shutdown"]):
@@ -198,16 +199,17 @@ class Agent:
 
         Returns ("done", None) when every node's workers succeeded, ("failed", failure) when a worker
         elsewhere failed (this agent then takes part in the restart or reports it), ("join", None) when the
-        other agents moved to a new round for a newcomer, or ("shutdown", None). The agent hosting the
-        store leaves last: it waits for every other agent to have seen the outcome.
+        other agents moved to a new round for a newcomer, or ("shutdown", the round's failure if one was
+        set). The agent hosting the store leaves last: it waits for every other agent to have seen the outcome.
         """
         done_key, failed_key = rdzv.key(round_, "done"), rdzv.key(round_, "failed")
         rdzv.store.add(done_key, 1)
         deadline = time.monotonic() + self.config.rdzv_timeout
         while True:
             moved = rdzv.current_round() > round_  # read before `failed`: a failing agent sets it before moving the round
-            if rdzv.store.check([failed_key]):
-                return "failed", Failure.from_json(rdzv.store.get(failed_key).decode())
+            elsewhere = _failure_of(rdzv, failed_key)
+            if elsewhere is not None:
+                return "failed", elsewhere
             if moved:
                 return "join", None
             finished = int(rdzv.store.add(done_key, 0))

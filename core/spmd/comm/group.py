@@ -127,13 +127,16 @@ class ProcessGroup:
         refuse their next op on the group as well. Each backend is then told to
         ``abandon`` the group, ending what peers wait on in it where it can.
         """
+        from spmd.debug import watchdog
+
+        if announce and self.unusable is None:
+            # A peer that gave the group up first (and broke this rank's op by leaving) is the cause: its reason stands.
+            watchdog.adopt_announcements()
         first = self.unusable is None
         if first:
             self.unusable = reason
         self.backends_by_device = {}
         if first and announce:
-            from spmd.debug import watchdog
-
             dog = watchdog.current()
             if dog is not None:
                 try:

@@ -253,12 +253,8 @@ class Work:
         return self._explain(error)
 
     def _mark_group(self, error: BaseException) -> None:
-        """A failed or timed-out op leaves its group unusable: its ranks may be out of step. If a peer
-        gave the group up first (and broke this op by leaving), its reason is the group's."""
-        if self._group.unusable is None:
-            from spmd.debug.watchdog import adopt_announcements  # the error path only
-
-            adopt_announcements()
+        """A failed or timed-out op leaves its group unusable: its ranks may be out of step (unless a
+        peer gave it up first: then its reason stands, see ``ProcessGroup.mark_unusable``)."""
         entry = self._entry
         what = f"{entry.op} #{entry.seq}" if entry is not None and entry.seq >= 0 else self.description
         first = str(error).split("\n", 1)[0]

@@ -216,15 +216,19 @@ class Watchdog:
     def await_dumps(self, ranks: list[int], request: int, deadline: float) -> list[int]:
         """Wait (bounded) until ``ranks`` served ``request``, so their dumps exist before this rank
         raises and perhaps exits (taking the store it hosts with it); returns those that did not."""
-        keys = {r: DUMPED_KEY.format(rank=r) for r in ranks if r != self.rank}
-        while keys and time.monotonic() < deadline:
-            with self.lock:
-                done = [r for r, k in keys.items() if self.client.check([k]) and int(self.client.get(k)) >= request]
-            for r in done:
-                keys.pop(r)
-            if keys:
+        waiting = [r for r in ranks if r != self.rank]
+        while waiting and time.monotonic() < deadline:
+            served = self._served(waiting, request)
+            waiting = [r for r in waiting if r not in served]
+            if waiting:
                 time.sleep(0.02)
-        return list(keys)
+        return waiting
+
+    def _served(self, ranks: list[int], request: int) -> set[int]:
+        """Those of ``ranks`` that have served dump request ``request`` (or a later one)."""
+        keys = {r: DUMPED_KEY.format(rank=r) for r in ranks}
+        with self.lock:
+            return {r for r, key in keys.items() if self.client.check([key]) and int(self.client.get(key)) >= request}
 
     def await_signs_of_life(self, ranks: list[int], request: int, before: dict[int, dict[str, Any] | None], deadline: float) -> list[int]:
         """Of ``ranks``, those that until ``deadline`` neither served ``request`` nor published progress
@@ -232,11 +236,8 @@ class Watchdog:
         own failure (dumping, explaining) may answer late, but its watchdog still publishes every interval."""
         silent = [r for r in ranks if r != self.rank]
         while silent:
-            progress = self.read_progress(silent)
-            with self.lock:
-                answered = {r for r in silent if self.client.check([DUMPED_KEY.format(rank=r)])
-                            and int(self.client.get(DUMPED_KEY.format(rank=r))) >= request}
-            silent = [r for r in silent if r not in answered and _beat(progress.get(r)) == _beat(before.get(r))]
+            progress, served = self.read_progress(silent), self._served(silent, request)
+            silent = [r for r in silent if r not in served and _beat(progress.get(r)) == _beat(before.get(r))]
             if not silent or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)

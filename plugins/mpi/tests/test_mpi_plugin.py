@@ -266,7 +266,7 @@ _ = spmd  # the module is imported for its side effects on the plugin manager
 
 # -- aborting a request ---------------------------------------------------------------------
 class _PostedRequest:
-    """An MPI request that MPI has not completed (until ``done``); counts its tests."""
+    """An MPI request that MPI has not completed (until ``done``)."""
 
     def __init__(self) -> None:
         self.done = False

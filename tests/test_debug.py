@@ -94,7 +94,9 @@ def test_a_live_rank_whose_clock_runs_behind_is_not_called_dead(tmp_path):
     assert diagnosed, results
     for message in diagnosed:
         assert "ranks that never reached seq 1: [2]" in message and "rank 2: last started" in message, message
-        assert "likely dead" not in message, message
+        rank2 = next(line for line in message.splitlines() if line.strip().startswith("rank 2:"))
+        # (only rank 2's line: rank 0 or 1 may rightly be called dead, as the script exits each right after its error)
+        assert "likely dead" not in rank2, message
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -45,7 +45,16 @@ def result_rows(stdout: str) -> list[dict]:
     return [decoder.raw_decode(chunk)[0] for chunk in stdout.split("RESULT ")[1:]]
 
 
-def launch(script: Path, how: str, args: list[str], launcher: list[str]) -> tuple[list[dict], str]:
+#: torch's own Gloo can abort while a process exits, after the script finished and printed its results (seen
+#: once in three loaded full runs, on rank 0 of the torch side of ddp_example.py after destroy_process_group)
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+
+
+def launch(
+    script: Path, how: str, args: list[str], launcher: list[str], reference: bool = False
+) -> tuple[list[dict], str]:
+    """Run a port on 2 ranks and return each rank's RESULT row. The spmd side must exit 0; the torch reference
+    (``reference``) may instead abort at exit in torch's own teardown once every rank has printed its row."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     port = str(free_port())
@@ -55,8 +64,9 @@ def launch(script: Path, how: str, args: list[str], launcher: list[str]) -> tupl
     else:
         cmd = [*launcher, "--nproc-per-node", "2", "--master-port", port, str(script), *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
     rows = result_rows(out.stdout)
+    aborted_at_exit = reference and len(rows) == 2 and TORCH_EXIT_ABORT in out.stdout + out.stderr
+    assert out.returncode == 0 or aborted_at_exit, out.stdout + out.stderr
     assert len(rows) == 2, out.stdout
     return sorted(rows, key=lambda r: r["rank"]), out.stdout + out.stderr
 
@@ -76,7 +86,7 @@ def close(a: object, b: object) -> bool:
 def test_port_runs_with_only_the_import_changed_and_agrees_with_torch(name, tmp_path):
     how, args = CASES[name]
     ours, log = launch(PORTS / name, how, args, [sys.executable, "-m", "spmd", "run"])
-    theirs, _ = launch(torch_version(PORTS / name, tmp_path), how, args, [str(TORCHRUN)])
+    theirs, _ = launch(torch_version(PORTS / name, tmp_path), how, args, [str(TORCHRUN)], reference=True)
     assert close(ours, theirs), f"spmd: {ours}\ntorch: {theirs}"
     assert "failed to bind" not in log
 

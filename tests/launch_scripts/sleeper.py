@@ -16,8 +16,10 @@ def note(signum, frame):
 
 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
     signal.signal(signum, note)
-with open(os.path.join(folder, f"pid{rank}"), "w") as f:
+# written aside and renamed, so the test that waits for the file never reads it empty
+with open(os.path.join(folder, f".pid{rank}"), "w") as f:
     f.write(str(os.getpid()))
+os.replace(os.path.join(folder, f".pid{rank}"), os.path.join(folder, f"pid{rank}"))
 deadline = time.monotonic() + 120
 while time.monotonic() < deadline:
     time.sleep(0.05)

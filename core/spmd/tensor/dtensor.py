@@ -56,6 +56,12 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local_tensor
         r._spec = spec
+        # The math bits are the local tensor's, so the wrapper and its shard read the same values: torch's
+        # Conjugate and Negative fallbacks see them on the wrapper and resolve them before an op that needs it
+        if local_tensor.is_conj():
+            torch._C._set_conj(r, True)
+        if local_tensor.is_neg():
+            torch._C._set_neg(r, True)
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]

@@ -83,6 +83,8 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placem
     """``local`` (this rank's shard under ``spec``) as this rank's shard under placements ``dst``."""
     if spec.placements == dst:
         return local
+    if local.is_conj() or local.is_neg():  # collectives move bytes: a lazy conjugate or negation is applied first
+        local = local.resolve_conj().resolve_neg()
     mesh = spec.mesh
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "redistribute on a rank outside the mesh"

@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from spmd.markers import hookimpl
-from spmd.tensor.rules import factories, foreach, matrix, nn, pointwise, reduction, views
+from spmd.tensor.rules import complex_ops, factories, foreach, matrix, nn, pointwise, reduction, views
 
 
 @hookimpl
 def spmd_sharding_rules() -> dict[Any, Any]:
     table: dict[Any, Any] = {}
-    for family in (pointwise, matrix, reduction, views, nn, factories, foreach):
+    for family in (pointwise, complex_ops, matrix, reduction, views, nn, factories, foreach):
         table.update(family.rules())
     return table

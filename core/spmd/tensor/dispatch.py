@@ -33,6 +33,15 @@ class ShardingRuleError(SpmdError):
     """A sharding rule returned something the dispatcher cannot use."""
 
 
+class DetachedViewError(SpmdError):
+    """An in-place write into a view that was taken of a redistributed copy: the write would not reach the tensor
+    the view was taken from, so the result would be silently wrong."""
+
+
+class InPlaceViewError(SpmdError):
+    """An in-place op that changes a DTensor's shape or strides (``unsqueeze_``, ``t_``): refused, never half done."""
+
+
 class MixedTensorError(SpmdError):
     """A plain tensor was passed beside DTensors (a RuntimeError, as every SpmdError: Python turns a TypeError from
     ``a + b`` into "unsupported operand" and lose the message)."""
@@ -49,6 +58,8 @@ class Plan:
     mutated: tuple[int, ...]  # DTensor-input indices the op writes to
     returns_self: bool  # an in-place op: return the mutated DTensor itself
     fallback: bool = False
+    #: The op returns a view of an input (its write-through is lost if that input had to be redistributed).
+    view: bool = False
     #: Nothing to do but the local op and the wrap: the inputs already sit where the rule wants them.
     direct: bool = False
 
@@ -214,6 +225,8 @@ def _dispatch_planned(func: torch._ops.OpOverload, args: tuple, kwargs: dict, ru
 
 def _execute(func: Any, plan: Plan, flat: list[Any], layout: list[Any], positions: list[int]) -> Any:
     local = list(flat)
+    for index in plan.mutated:
+        _refuse_detached_write(func, flat[positions[index]])
     debug.current_op.append(func)
     try:
         for target, pos in zip(plan.targets, positions):
@@ -222,6 +235,10 @@ def _execute(func: Any, plan: Plan, flat: list[Any], layout: list[Any], position
                 local[pos] = dt._local_tensor
             else:
                 local[pos] = redistribute_local(dt._local_tensor, dt._spec, target)
+                if plan.view and not _same_storage(local[pos], dt._local_tensor):
+                    # the view will alias this copy, not the input: remember it, so a write through it fails
+                    # (on the storage: locals made inside dispatch carry no view links, every view shares it)
+                    local[pos].untyped_storage()._spmd_detached = (func, dt._spec.placements, target)
     finally:
         debug.current_op.pop()
     args, kwargs = _unflatten(local, layout)
@@ -240,6 +257,24 @@ def _execute(func: Any, plan: Plan, flat: list[Any], layout: list[Any], position
     if plan.returns_self:
         return flat[positions[plan.mutated[0]]]
     return _wrap(out, plan.out_specs)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() == 0 or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _refuse_detached_write(func: Any, dt: DTensor) -> None:
+    """Raise if ``dt`` is a view of a copy that a view op's redistribution made (see ``_execute``)."""
+    detached = getattr(dt._local_tensor.untyped_storage(), "_spmd_detached", None)
+    if detached is None:
+        return
+    view_op, source, target = detached
+    raise DetachedViewError(
+        f"{func}: writes in place into a DTensor view made by {view_op} of a redistributed copy (its input had "
+        f"placements {list(source)}, the op needed {list(target)}), so the write would not reach the tensor the view "
+        f"was taken from. Write into .clone() of the view, or redistribute the base to {list(target)} before "
+        "taking the view"
+    )
 
 
 def _wrap(out: Any, specs: tuple[DTensorSpec, ...]) -> Any:
@@ -309,6 +344,12 @@ def _propagate(func: Any, rule: Any, flat: list[Any], layout: list[Any], positio
     outputs = tuple(TensorMeta(tuple(t.shape), t.dtype) for t in leaves)
     mutated, returns_self = _mutated_inputs(func, flat, layout, positions)
     specs = [flat[p]._spec for p in positions]
+    if returns_self and leaves and (tuple(leaves[0].shape), tuple(leaves[0].stride())) != (specs[mutated[0]].shape, specs[mutated[0]].stride):
+        raise InPlaceViewError(
+            f"{func}: changes the shape or strides of a DTensor in place ({list(specs[mutated[0]].shape)} -> "
+            f"{list(leaves[0].shape)}), which a DTensor's wrapper cannot follow; use the out-of-place op "
+            f"(x = x.{func._schema.name.split('::')[-1].rstrip('_')}(...))"
+        )
     if rule is None:
         _warn_fallback(func)
         replicated: tuple[tuple[Placement, ...], ...] = tuple(tuple(Replicate() for _ in range(mesh.ndim)) for _ in positions)
@@ -316,7 +357,7 @@ def _propagate(func: Any, rule: Any, flat: list[Any], layout: list[Any], positio
             DTensorSpec(mesh, replicated[0] if replicated else (Replicate(),) * mesh.ndim, tuple(t.shape), tuple(t.stride()), t.dtype)
             for t in leaves
         )
-        return Plan(replicated, out_specs, None, None, mutated, returns_self, fallback=True)
+        return Plan(replicated, out_specs, None, None, mutated, returns_self, fallback=True, view=_is_view(func))
     per_dim: list[Sharding] = []
     for mesh_dim in range(mesh.ndim):
         inputs = tuple(TensorArg(s.shape, s.dtype, s.placements[mesh_dim], s.placements) for s in specs)
@@ -346,7 +387,13 @@ def _propagate(func: Any, rule: Any, flat: list[Any], layout: list[Any], positio
             tuple(local_shape_and_offset(spec.shape, mesh, t)[0] for spec, t in zip(specs, targets)),
         )
     direct = rewrite is None and not mutated and all(spec.placements == t for spec, t in zip(specs, targets))
-    return Plan(targets, out_specs, rewrite, info, mutated, returns_self, direct=direct)
+    return Plan(targets, out_specs, rewrite, info, mutated, returns_self, direct=direct, view=_is_view(func))
+
+
+def _is_view(func: Any) -> bool:
+    """Whether ``func`` returns an alias of an input (a view op), not a new tensor."""
+    schema = func._schema
+    return not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
 
 
 # -- the fallback: gather, compute, reshard ------------------------------------------------------------

@@ -25,6 +25,11 @@ from spmd.tensor.spec import (
 
 _dispatch: Any = None
 
+_CONJUGATE = torch._C.DispatchKey.Conjugate
+_NEGATIVE = torch._C.DispatchKey.Negative
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+
 
 def _dispatcher() -> Any:
     """``spmd.tensor.dispatch.dispatch`` (imported on first use: the dispatcher imports this module)."""
@@ -68,7 +73,19 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
-        return _dispatcher()(func, args, kwargs or {})
+        # torch excludes the Conjugate and Negative keys while a subclass dispatches, so a local kernel that
+        # builds a conjugate view inside (linalg_pinv's mH) would read it unresolved: silently wrong values.
+        # The local compute runs with both keys back, as the same op on plain tensors does.
+        if not _is_excluded(_CONJUGATE):
+            return _dispatcher()(func, args, kwargs or {})
+        negative = _is_excluded(_NEGATIVE)
+        _set_excluded(_CONJUGATE, False)
+        _set_excluded(_NEGATIVE, False)
+        try:
+            return _dispatcher()(func, args, kwargs or {})
+        finally:
+            _set_excluded(_CONJUGATE, True)
+            _set_excluded(_NEGATIVE, negative)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (

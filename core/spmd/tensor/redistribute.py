@@ -83,8 +83,29 @@ def redistribute_local(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placem
     """``local`` (this rank's shard under ``spec``) as this rank's shard under placements ``dst``."""
     if spec.placements == dst:
         return local
-    if local.is_conj() or local.is_neg():  # collectives move bytes: a lazy conjugate or negation is applied first
-        local = local.resolve_conj().resolve_neg()
+    conj, neg = local.is_conj(), local.is_neg()
+    if conj or neg:
+        # collectives move stored bytes: move the stored values and put the lazy bits back after (no copy), unless
+        # a reduction is not linear (the max of negations is not the negation of the max): then apply them first
+        if any(isinstance(p, Partial) and p.reduce_op not in ("sum", "avg") for p in spec.placements):
+            local, conj, neg = local.resolve_conj().resolve_neg(), False, False
+        else:
+            local = _flip_bits(local, conj, neg)
+    local = _redistribute_stored(local, spec, dst)
+    return _flip_bits(local, conj, neg) if conj or neg else local
+
+
+def _flip_bits(local: torch.Tensor, conj: bool, neg: bool) -> torch.Tensor:
+    """``local`` with its conjugate and/or negative bit flipped: a view of the same memory."""
+    if conj:
+        local = local.conj()
+    if neg:
+        local = torch._neg_view(local)
+    return local
+
+
+def _redistribute_stored(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Placement, ...]) -> torch.Tensor:
+    """``redistribute_local`` on a tensor without math bits."""
     mesh = spec.mesh
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "redistribute on a rank outside the mesh"

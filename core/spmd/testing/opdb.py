@@ -18,7 +18,6 @@ collectives, and rebuilds the mesh when an error left a group unusable.
 
 from __future__ import annotations
 
-import traceback
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -226,9 +225,7 @@ def _run_case(impl: Impl, mesh: Any, op: Any, sample: Any, layout: str, world_si
 
 
 def _full(impl: Impl, x: Any) -> Any:
-    if isinstance(x, impl.dtensor_type):
-        return x.full_tensor()
-    return x
+    return x.full_tensor() if isinstance(x, impl.dtensor_type) else x  # type: ignore[attr-defined]
 
 
 def _compare(impl: Impl, expected: Any, got: Any, what: str) -> str | None:
@@ -275,11 +272,7 @@ def _compare_grads(impl: Impl, mesh: Any, expected: Any, got: Any, ref_args: Any
         exp_grads = torch.autograd.grad(exp_outs, ref_inputs, seeds, allow_unused=True)
     except Exception:  # noqa: BLE001 - torch has no backward for this sample: nothing to compare
         return None
-    dt_seeds = [
-        impl.distribute(s, mesh, [impl.replicate()]).redistribute(g.device_mesh, _gradable(impl, g.placements))
-        if isinstance(g, impl.dtensor_type) else s
-        for s, g in zip(seeds, got_outs)
-    ]
+    dt_seeds = [_seed_like(impl, mesh, s, g) for s, g in zip(seeds, got_outs)]
     got_grads = torch.autograd.grad(got_outs, dt_inputs, dt_seeds, allow_unused=True)
     for i, (e, g) in enumerate(zip(exp_grads, got_grads)):
         if e is None and g is None:
@@ -295,11 +288,9 @@ def _compare_grads(impl: Impl, mesh: Any, expected: Any, got: Any, ref_args: Any
     return None
 
 
-def _gradable(impl: Impl, placements: Sequence[Any]) -> list[Any]:
-    """An output's placements as a gradient can take them (a Partial output takes a replicated gradient)."""
-    return [p if (p.is_shard() or p.is_replicate()) else impl.replicate() for p in placements]
-
-
-def describe(error: BaseException) -> str:
-    """One line for an error inside the sweep itself (not a case's outcome)."""
-    return "".join(traceback.format_exception_only(type(error), error)).strip()
+def _seed_like(impl: Impl, mesh: Any, seed: torch.Tensor, out: Any) -> Any:
+    """The gradient ``seed`` for output ``out``: a DTensor in ``out``'s placements (a Partial one takes it replicated)."""
+    if not isinstance(out, impl.dtensor_type):
+        return seed
+    placements = [p if (p.is_shard() or p.is_replicate()) else impl.replicate() for p in out.placements]  # type: ignore[attr-defined]
+    return impl.distribute(seed, mesh, [impl.replicate()]).redistribute(out.device_mesh, placements)  # type: ignore[attr-defined]

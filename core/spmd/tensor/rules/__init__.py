@@ -9,7 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from spmd.markers import hookimpl
-from spmd.tensor.rules import complex_ops, factories, foreach, matrix, nn, pointwise, reduction, views
+from spmd.tensor.rules import (
+    complex_ops,
+    factories,
+    foreach,
+    matrix,
+    nn,
+    pointwise,
+    reduction,
+    views,
+)
 
 
 @hookimpl

@@ -57,7 +57,7 @@ def view_dtype_rule(call: OpCall) -> Sharding:
 
 
 def _overloads(names: list[str]) -> list[Any]:
-    found = []
+    found: list[Any] = []
     for name in names:
         packet = getattr(aten, name, None)
         if packet is None:

@@ -1,0 +1,57 @@
+"""Rank functions for test_dtensor_aliasing.py: views, in-place writes and kernels that conjugate inside."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import spmd
+from spmd import Replicate, Shard
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def views_and_writes() -> dict[str, Any]:
+    """A view that aliases its DTensor takes writes; one taken of a redistributed copy refuses them."""
+    mesh = spmd.init_device_mesh("cpu", (spmd.get_world_size(),))
+    full = torch.arange(16.0).reshape(4, 4)
+    x = spmd.distribute_tensor(full, mesh, [Shard(0)])
+    x.view(4, 2, 2).mul_(2)  # the shard survives the view: the write reaches x
+    x[:, 1:3].add_(1)  # a slice off the sharded dimension: also a view of each shard
+    expected = full * 2
+    expected[:, 1:3] += 1
+    y = spmd.distribute_tensor(full, mesh, [Shard(1)])
+    z = spmd.distribute_tensor(full, mesh, [Shard(1)])
+    return {
+        "aliasing_view": bool(torch.equal(x.full_tensor(), expected)),
+        "detached": _error(lambda: y.diagonal().mul_(0.5)),  # diagonal gathers the columns first
+        "row_slice": _error(lambda: x[1:3].add_(1)),  # a slice along the sharded dimension gathers the rows
+        "y_kept": bool(torch.equal(y.full_tensor(), full)),
+        "copy_is_fine": bool(torch.equal(z.diagonal().clone().mul_(0.5).full_tensor(), full.diagonal() * 0.5)),
+        "unsqueeze_": _error(lambda: spmd.distribute_tensor(full, mesh, [Replicate()]).unsqueeze_(0)),
+        "t_": _error(lambda: spmd.distribute_tensor(full, mesh, [Shard(0)]).t_()),
+    }
+
+
+def kernels_that_conjugate_inside() -> dict[str, float]:
+    """linalg.pinv and friends build conjugate views inside their kernels; torch hides the Conjugate key while a
+    subclass dispatches, which made them read the views unresolved."""
+    mesh = spmd.init_device_mesh("cpu", (spmd.get_world_size(),))
+    torch.manual_seed(0)
+    a = torch.randn(5, 5, dtype=torch.complex64)
+    d = spmd.distribute_tensor(a, mesh, [Replicate()])
+    s = spmd.distribute_tensor(torch.randn(4, 5, 5, dtype=torch.complex64), mesh, [Shard(0)])
+    return {
+        "pinv": float((torch.linalg.pinv(d).full_tensor() - torch.linalg.pinv(a)).abs().max()),
+        "pinv_batched": float((torch.linalg.pinv(s).full_tensor() - torch.linalg.pinv(s.full_tensor())).abs().max()),
+        "lstsq_solution": float(
+            (torch.linalg.solve(d, d.mH).full_tensor() - torch.linalg.solve(a, a.mH)).abs().max()
+        ),
+    }

@@ -35,9 +35,20 @@ def views_and_writes() -> dict[str, Any]:
         "row_slice": _error(lambda: x[1:3].add_(1)),  # a slice along the sharded dimension gathers the rows
         "y_kept": bool(torch.equal(y.full_tensor(), full)),
         "copy_is_fine": bool(torch.equal(z.diagonal().clone().mul_(0.5).full_tensor(), full.diagonal() * 0.5)),
-        "unsqueeze_": _error(lambda: spmd.distribute_tensor(full, mesh, [Replicate()]).unsqueeze_(0)),
-        "t_": _error(lambda: spmd.distribute_tensor(full, mesh, [Shard(0)]).t_()),
+        "in_place_views": in_place_views(mesh, full),
+        "as_strided_": _error(lambda: spmd.distribute_tensor(full, mesh, [Replicate()]).as_strided_((2, 8), (8, 1))),
     }
+
+
+def in_place_views(mesh: Any, full: torch.Tensor) -> bool:
+    """unsqueeze_, t_, squeeze_ and transpose_ change the DTensor itself (shape, strides, placements), as torch's."""
+    x = spmd.distribute_tensor(full, mesh, [Shard(0)])
+    x.unsqueeze_(0)
+    ok = x.shape == (1, 4, 4) and x.placements == (Shard(1),) and torch.equal(x.full_tensor(), full.unsqueeze(0))
+    x.squeeze_(0).t_()
+    ok = ok and x.shape == (4, 4) and x.stride() == (1, 4) and torch.equal(x.full_tensor(), full.t())
+    x.transpose_(0, 1).mul_(2)  # still a view of the same shard: the write lands in its memory
+    return ok and x.placements == (Shard(0),) and torch.equal(x.full_tensor(), full * 2)
 
 
 def kernels_that_conjugate_inside() -> dict[str, float]:

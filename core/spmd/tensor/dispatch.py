@@ -17,34 +17,21 @@ from typing import Any
 import torch
 
 from spmd import plugins
-from spmd.errors import SpmdError
 from spmd.mesh import DeviceMesh
 from spmd.tensor import debug, registry
 from spmd.tensor.dtensor import DTensor
+from spmd.tensor.errors import (
+    DetachedViewError,
+    InPlaceViewError,
+    MixedTensorError,
+    ShardingRuleError,
+)
 from spmd.tensor.placements import Partial, Placement, Replicate
 from spmd.tensor.redistribute import redistribute_local
 from spmd.tensor.rule import Decompose, LocalInfo, OpCall, Sharding, TensorArg, TensorMeta
 from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
 _NO_META = object()
-
-
-class ShardingRuleError(SpmdError):
-    """A sharding rule returned something the dispatcher cannot use."""
-
-
-class DetachedViewError(SpmdError):
-    """An in-place write into a view that was taken of a redistributed copy: the write would not reach the tensor
-    the view was taken from, so the result would be silently wrong."""
-
-
-class InPlaceViewError(SpmdError):
-    """An in-place op that changes a DTensor's shape or strides (``unsqueeze_``, ``t_``): refused, never half done."""
-
-
-class MixedTensorError(SpmdError):
-    """A plain tensor was passed beside DTensors (a RuntimeError, as every SpmdError: Python turns a TypeError from
-    ``a + b`` into "unsupported operand" and lose the message)."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from spmd.tensor.errors import InPlaceViewError
 from spmd.tensor.placements import Partial, Placement, Replicate, Shard
 from spmd.tensor.rule import Decompose, LocalInfo, OpCall, Sharding, TensorArg
 
@@ -211,6 +212,45 @@ def index_add_rule(call: OpCall) -> Sharding:
     return Sharding([R, R, R], [R])
 
 
+#: In-place views (``x.squeeze_(0)``): the out-of-place view by its rule, then ``x`` becomes that view.
+IN_PLACE_VIEWS = {
+    "squeeze_": "squeeze", "unsqueeze_": "unsqueeze", "transpose_": "transpose", "t_": "t",
+    "swapdims_": "swapdims", "swapaxes_": "swapaxes",
+}
+
+
+def _in_place_view(op: Any, method: str) -> Decompose:
+    """``op`` (an in-place view such as ``unsqueeze_``) on a DTensor: the shard becomes the out-of-place view of
+    itself (same memory, as torch's in-place view), and the wrapper's shape and strides follow."""
+    from torch.utils._mode_utils import no_dispatch
+
+    def in_place(x: Any, *args: Any, **kwargs: Any) -> Any:
+        view = getattr(torch.Tensor, method)(x, *args, **kwargs)
+        before, after = x._local_tensor, view._local_tensor
+        if after.numel() and after.untyped_storage().data_ptr() != before.untyped_storage().data_ptr():
+            raise InPlaceViewError(
+                f"{op}: the view needs placements {list(view.placements)} where the tensor has "
+                f"{list(x.placements)}, so it cannot stay in the tensor's memory; use the out-of-place op "
+                f"(x = x.{method}(...)) or redistribute first"
+            )
+        with no_dispatch():  # the wrapper's own sizes and strides, as the op sets them on a plain tensor
+            op(x, *args, **kwargs)
+        x._local_tensor, x._spec = after, view._spec
+        return x
+
+    return Decompose(in_place)
+
+
+def _in_place_views() -> dict[Any, Any]:
+    table: dict[Any, Any] = {}
+    for name, method in IN_PLACE_VIEWS.items():
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            table[op] = _in_place_view(op, method)
+    return table
+
+
 def rules() -> dict[Any, Any]:
     view = _sized(_dim_rule(_view_dim), 1, "size")
     return {
@@ -236,4 +276,5 @@ def rules() -> dict[Any, Any]:
         aten.select_backward.default: _sized(_dim_rule(_backward_of_select), 1, "input_sizes"),
         aten.cat.default: cat_rule,
         aten.stack.default: cat_rule,
+        **_in_place_views(),
     }

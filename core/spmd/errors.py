@@ -35,6 +35,14 @@ class CollectiveDesyncError(SpmdError):
     """Ranks of a group called different collectives (or shapes/dtypes) at one sequence number."""
 
 
+class NotYetInSpmdError(SpmdError, ImportError):
+    """A torch.distributed name that spmd's mirror module does not provide yet; the message names the closest spmd way.
+
+    An ImportError, so ``from spmd.tensor.experimental import register_sharding``
+    fails at the import line with this message rather than a bare ImportError.
+    """
+
+
 def first_line(error: BaseException) -> str:
     """An error's first line (C++ errors from torch carry a stack dump after it), or its type's name."""
     text = str(error)

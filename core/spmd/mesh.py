@@ -39,6 +39,7 @@ class DeviceMesh:
         backend: BackendChoice = None,
         _groups: dict[int, ProcessGroup] | None = None,
     ) -> None:
+        _ensure_world()
         grid = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
         if grid.ndim == 0:
             grid = grid.reshape(1)
@@ -235,7 +236,10 @@ def init_device_mesh(
     the world's backends. ``backend_override`` is torch's spelling of the same
     (keys: dimension index or name; values: a backend name or a
     ``(backend, options)`` pair), accepted so torch scripts port unchanged.
+    Without a world yet, it first joins one with ``spmd.init_process_group()``
+    (launcher environment: ``spmd run``, torchrun, ...), as torch's does.
     """
+    _ensure_world()
     shape = tuple(int(s) for s in mesh_shape)
     world = get_world_size()
     if not shape or any(s < 1 for s in shape) or math.prod(shape) != world:
@@ -250,6 +254,16 @@ def init_device_mesh(
         backend = _from_backend_override(backend_override, mesh_dim_names, len(shape))
     grid = torch.arange(world, dtype=torch.int64).reshape(shape)
     return DeviceMesh(device_type, grid, mesh_dim_names=mesh_dim_names, backend=backend)
+
+
+def _ensure_world() -> None:
+    """Join the job from the launcher's environment if no world exists yet (torch's meshes create the default group)."""
+    from spmd.comm.state import is_initialized
+
+    if not is_initialized():
+        from spmd.comm.init import init_process_group
+
+        init_process_group()
 
 
 def _from_backend_override(

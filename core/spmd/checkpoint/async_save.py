@@ -10,6 +10,7 @@ save (sync or async) and every load wait for the previous async save.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import threading
 from collections.abc import Mapping
@@ -22,6 +23,8 @@ from spmd.checkpoint.metadata import CheckpointError, Metadata
 from spmd.checkpoint.planner import Box
 from spmd.checkpoint.ranks import private_ranks
 from spmd.checkpoint.save import execute, prepare
+from spmd.checkpoint.stateful import expand_stateful
+from spmd.checkpoint.storage import checkpoint_location
 
 
 class SaveFuture:
@@ -112,13 +115,20 @@ def _report_unobserved_failure() -> None:
               f"asked: {error}", file=sys.stderr)
 
 
-def async_save(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_group: Any = None) -> SaveFuture:
+def async_save(
+    state_dict: Mapping[str, Any],
+    checkpoint_id: str | os.PathLike | None = None,
+    *,
+    storage_writer: Any = None,
+    process_group: Any = None,
+) -> SaveFuture:
     """Start saving ``state_dict`` to ``checkpoint_id`` and return at once with a future.
 
     Blocks for the copy into CPU staging buffers (reused between saves, pinned
     for GPU tensors), so training may change the tensors as soon as it
     returns. It uses no collective of the caller's: its exchanges run on a
-    private group over the same ranks. Every rank must call it.
+    private group over the same ranks. Every rank must call it. Stateful
+    values and ``storage_writer=`` as in ``save``.
 
         future = spmd.checkpoint.async_save(state, checkpoint_id=f"ckpt/{step}")
         ...                                       # train on
@@ -128,7 +138,8 @@ def async_save(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_gro
     with _lock:
         wait_pending()
         ranks = private_ranks(process_group)
-        job = prepare(state_dict, checkpoint_id, ranks, stage=_stager)
+        checkpoint_id = checkpoint_location(checkpoint_id, storage_writer, "async_save")
+        job = prepare(expand_stateful(state_dict), checkpoint_id, ranks, stage=_stager)
         _stager.synchronize()
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spmd-async-save")

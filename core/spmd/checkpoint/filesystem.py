@@ -106,3 +106,31 @@ class FileStorage(Storage):
 def spmd_storages() -> list[StorageSpec]:
     """Local directories: plain paths and ``file://``."""
     return [StorageSpec(("file",), FileStorage, name="file", description="local or mounted directories")]
+
+
+class FileSystemWriter:
+    """torch's ``storage_writer`` for a directory: ``save(sd, storage_writer=FileSystemWriter(path))`` is ``save(sd, checkpoint_id=path)``.
+
+    torch's tuning options are accepted and not used: spmd writes one
+    safetensors file per writing rank and always syncs the files it writes.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+    ) -> None:
+        self.checkpoint_id = os.fspath(path)
+        self.overwrite = overwrite
+
+
+class FileSystemReader:
+    """torch's ``storage_reader`` for a directory: ``load(sd, storage_reader=FileSystemReader(path))`` is ``load(sd, checkpoint_id=path)``."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.checkpoint_id = os.fspath(path)

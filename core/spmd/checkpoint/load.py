@@ -8,7 +8,8 @@ size, on any mesh, and in one process without ``spmd.init``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -23,7 +24,8 @@ from spmd.checkpoint.metadata import (
 )
 from spmd.checkpoint.planner import Box, covered, is_contiguous_box, plan_reads, span
 from spmd.checkpoint.safetensors_io import byte_view, tensor_from
-from spmd.checkpoint.storage import Storage, open_storage
+from spmd.checkpoint.stateful import expand_stateful, restore_stateful
+from spmd.checkpoint.storage import Storage, checkpoint_location, open_storage
 
 
 def read_metadata(storage: Storage, checkpoint_id: str) -> Metadata:
@@ -85,7 +87,13 @@ def read_box(storage: Storage, key: str, entry: TensorEntry, box: Box, out: torc
     return out
 
 
-def load(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_group: Any = None) -> None:
+def load(
+    state_dict: MutableMapping[str, Any],
+    checkpoint_id: str | os.PathLike | None = None,
+    *,
+    storage_reader: Any = None,
+    process_group: Any = None,
+) -> None:
     """Fill ``state_dict`` in place from ``checkpoint_id``, resharded to the placements its tensors have now.
 
     Tensors (DTensor or plain) are overwritten in place, with their current
@@ -93,7 +101,11 @@ def load(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_group: An
     were; a leaf that is not a tensor where the checkpoint holds one becomes
     the full tensor; JSON values replace the old ones. Every key of
     ``state_dict`` must be in the checkpoint. ``process_group`` is accepted
-    for torch's signature: a load needs no collective.
+    for torch's signature: a load needs no collective. A top-level
+    ``Stateful`` value is loaded as torch's DCP does: its ``state_dict()`` is
+    filled in place, then given to its ``load_state_dict``.
+    ``storage_reader=FileSystemReader(path)`` is torch's spelling of
+    ``checkpoint_id=path``.
 
         sd = {"model": model.state_dict()}
         spmd.checkpoint.load(sd, checkpoint_id="ckpt/step-100")
@@ -101,10 +113,12 @@ def load(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_group: An
     from spmd.checkpoint.async_save import wait_pending
 
     wait_pending()
-    storage = open_storage(str(checkpoint_id))
-    meta = read_metadata(storage, str(checkpoint_id))
+    checkpoint_id = checkpoint_location(checkpoint_id, storage_reader, "load")
+    storage = open_storage(checkpoint_id)
+    meta = read_metadata(storage, checkpoint_id)
+    expanded = expand_stateful(state_dict)
     missing = []
-    for leaf in list(leaves(state_dict)):
+    for leaf in list(leaves(expanded)):
         entry = meta.tensors.get(leaf.key)
         if entry is not None:
             _load_tensor(storage, leaf, entry)
@@ -118,6 +132,7 @@ def load(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_group: An
             f"checkpoint {checkpoint_id!r} has no {missing[:8]}{' ...' if len(missing) > 8 else ''} "
             f"({len(missing)} keys missing); it holds {stored[:8]}{' ...' if len(stored) > 8 else ''}"
         )
+    restore_stateful(state_dict, expanded)
 
 
 def _load_tensor(storage: Storage, leaf: Any, entry: TensorEntry) -> None:

@@ -11,6 +11,7 @@ background remover (``cleanup``).
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ from spmd.checkpoint.planner import (
 )
 from spmd.checkpoint.ranks import Ranks
 from spmd.checkpoint.safetensors_io import write_file
-from spmd.checkpoint.storage import Storage, open_storage
+from spmd.checkpoint.stateful import expand_stateful
+from spmd.checkpoint.storage import Storage, checkpoint_location, open_storage
 
 #: ``stage(key, box, local) -> cpu tensor``: how the data to write is taken (sync: as is; async: a staging copy).
 Stage = Callable[[str, Box, torch.Tensor], torch.Tensor]
@@ -193,8 +195,19 @@ def _metadata(job: SaveJob, outcomes: list[dict[str, tuple[int, int]]]) -> Metad
     return Metadata(job.data_dir, tensors, job.values, world_size=len(outcomes))
 
 
-def save(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_group: Any = None) -> None:
+def save(
+    state_dict: Mapping[str, Any],
+    checkpoint_id: str | os.PathLike | None = None,
+    *,
+    storage_writer: Any = None,
+    process_group: Any = None,
+) -> None:
     """Save ``state_dict`` (DTensors, plain tensors, JSON values) to ``checkpoint_id``, every rank in parallel.
+
+    A top-level value that is ``Stateful`` (a module, an optimizer, any object
+    with ``state_dict``/``load_state_dict``) is saved as its ``state_dict()``,
+    as torch's DCP does. ``storage_writer=FileSystemWriter(path)`` is torch's
+    spelling of ``checkpoint_id=path``.
 
     Every rank of ``process_group`` (the world by default; this process alone
     before ``spmd.init``) must call it. A replicated value is written once;
@@ -208,5 +221,5 @@ def save(state_dict: Mapping[str, Any], checkpoint_id: str, *, process_group: An
 
     wait_pending()
     ranks = Ranks(process_group)
-    job = prepare(state_dict, checkpoint_id, ranks)
+    job = prepare(expand_stateful(state_dict), checkpoint_location(checkpoint_id, storage_writer, "save"), ranks)
     execute(job, ranks)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -22,13 +22,46 @@ from spmd.checkpoint.metadata import CheckpointError
 WRAPPER_ATTRIBUTES = ("module", "_orig_mod")
 
 
+#: torch's type names for state dict values (``torch.distributed.checkpoint.state_dict``).
+FQNS_T = set[str]
+PrimitiveType = torch.Tensor | int | float | str  # (torch's lists DTensor too: a torch.Tensor subclass)
+ValueType = Union[PrimitiveType, list[PrimitiveType], tuple[PrimitiveType], dict[str, "ValueType"]]  # noqa: UP007 - recursive: needs the string
+DictValueType = dict[str, ValueType]
+ListDictValueType = list[DictValueType]
+OptimizerStateType = dict[str, DictValueType | ListDictValueType]
+
+
 @dataclass(frozen=True)
 class StateDictOptions:
-    """``full_state_dict``: DTensors as full tensors; ``cpu_offload``: tensors on CPU; ``strict``: every key must match."""
+    """How ``get_*``/``set_*`` work; torch's fields, in torch's order.
+
+    ``full_state_dict``: DTensors gathered into full tensors. ``cpu_offload``:
+    tensors on CPU; with ``full_state_dict``, only rank 0 gets the state dict
+    (the others get ``{}``), as torch does, so N ranks do not hold N full copies.
+    ``ignore_frozen_params``: parameters with ``requires_grad=False`` left out.
+    ``keep_submodule_prefixes``: accepted for torch's signature (it only
+    matters for torch's deprecated ``submodules=``, which spmd does not take).
+    ``strict``: ``set_*`` requires every key to match. ``broadcast_from_rank0``
+    (needs ``full_state_dict``): ``set_*`` takes rank 0's full state dict (the
+    other ranks may pass ``{}``), broadcasts it tensor by tensor and each rank
+    keeps its shards. ``flatten_optimizer_state_dict``: the optimizer state dict
+    as flat ``state.<fqn>.<key>``/``param_groups.<fqn>.<key>`` keys (``set_*``
+    takes it back). ``dsd_fqn_modifiers``: accepted, unused (spmd unwraps
+    DDP/torch.compile by their attributes).
+    """
 
     full_state_dict: bool = False
     cpu_offload: bool = False
+    ignore_frozen_params: bool = False
+    keep_submodule_prefixes: bool = True
     strict: bool = True
+    broadcast_from_rank0: bool = False
+    flatten_optimizer_state_dict: bool = False
+    dsd_fqn_modifiers: str = "_fqn_modifiers"
+
+    def __post_init__(self) -> None:
+        if self.broadcast_from_rank0 and not self.full_state_dict:
+            raise ValueError("StateDictOptions: broadcast_from_rank0=True needs full_state_dict=True (as in torch)")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -85,10 +118,21 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
+def _rank0_only(options: StateDictOptions) -> bool:
+    """torch's rule: a full state dict offloaded to CPU is kept on rank 0 only (gathered on every rank first)."""
+    from spmd.comm.init import get_rank
+    from spmd.comm.state import is_initialized
+
+    return options.full_state_dict and options.cpu_offload and is_initialized() and get_rank() != 0
+
+
 def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None = None) -> dict[str, Any]:
-    """The unwrapped model's state dict (DTensors kept unless ``full_state_dict``)."""
+    """The unwrapped model's state dict (DTensors kept unless ``full_state_dict``; see StateDictOptions)."""
     options = options or StateDictOptions()
-    return {k: _export(v, options) for k, v in unwrap(model).state_dict().items()}
+    inner = unwrap(model)
+    frozen = {n for n, p in inner.named_parameters(remove_duplicate=False) if not p.requires_grad} if options.ignore_frozen_params else set()
+    out = {k: _export(v, options) for k, v in inner.state_dict().items() if k not in frozen}
+    return {} if _rank0_only(options) else out
 
 
 def get_optimizer_state_dict(
@@ -111,7 +155,53 @@ def get_optimizer_state_dict(
                 if p in optimizer.state:
                     state[fqn] = {k: _export(v, options) for k, v in optimizer.state[p].items()}
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
-    return {"state": state, "param_groups": groups}
+    if _rank0_only(options):
+        return {}
+    out: dict[str, Any] = {"state": state, "param_groups": groups}
+    return flatten_optimizer_state_dict(out) if options.flatten_optimizer_state_dict else out
+
+
+def flatten_optimizer_state_dict(optim_state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """torch's flat optimizer layout: ``state.<fqn>.<key>`` (nested dicts dotted) and ``param_groups.<fqn>.<key>``."""
+    out: dict[str, Any] = {}
+
+    def nested(prefix: str, value: Mapping[str, Any]) -> None:
+        for k, v in value.items():
+            if isinstance(v, Mapping):
+                nested(f"{prefix}.{k}", v)
+            else:
+                out[f"{prefix}.{k}"] = v
+
+    for fqn, state in optim_state_dict["state"].items():
+        nested(f"state.{fqn}", state)
+    for group in optim_state_dict["param_groups"]:
+        for fqn in group["params"]:
+            for k, v in group.items():
+                if k != "params":
+                    out[f"param_groups.{fqn}.{k}"] = v
+    return out
+
+
+def unflatten_optimizer_state_dict(flat: Mapping[str, Any], fqns: Iterable[str]) -> dict[str, Any]:
+    """The nested layout back from ``flatten_optimizer_state_dict``'s, given the model's parameter names."""
+    by_length = sorted(fqns, key=len, reverse=True)  # "a.b.weight" before "a.b": the longest name that matches
+    state: dict[str, Any] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        section, _, rest = key.partition(".")
+        fqn = next((f for f in by_length if rest.startswith(f + ".")), None)
+        if section not in ("state", "param_groups") or fqn is None:
+            raise CheckpointError(f"set_optimizer_state_dict: flattened key {key!r} names no parameter of the model")
+        path = rest[len(fqn) + 1 :]
+        if section == "param_groups":
+            groups.setdefault(fqn, {})[path] = value
+            continue
+        target = state.setdefault(fqn, {})
+        *parents, leaf = path.split(".")
+        for part in parents:
+            target = target.setdefault(part, {})
+        target[leaf] = value
+    return {"state": state, "param_groups": [{**g, "params": [fqn]} for fqn, g in groups.items()]}
 
 
 def get_state_dict(
@@ -165,10 +255,103 @@ def assign(target: torch.Tensor, value: Any, what: str = "value") -> None:
             target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
 
 
+def _broadcast_keys(state_dict: Mapping[str, Any], what: str) -> list[str]:
+    """Rank 0's keys, on every rank (``broadcast_from_rank0``: the other ranks' state dicts may be empty)."""
+    from spmd.comm.init import get_rank
+    from spmd.comm.objects import broadcast_object_list
+
+    keys: list[Any] = [sorted(state_dict) if get_rank() == 0 else None]
+    broadcast_object_list(keys, src=0)
+    if not keys[0] and get_rank() == 0:
+        raise CheckpointError(f"{what}: broadcast_from_rank0=True but rank 0's state dict is empty")
+    return keys[0]
+
+
+def _broadcast_tensor(value: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Rank 0's full ``value`` on every rank (the others allocate ``shape``/``dtype`` on ``device`` to receive it)."""
+    from spmd.comm.collectives import broadcast
+    from spmd.comm.init import get_rank
+    from spmd.tensor.dtensor import DTensor
+
+    if get_rank() == 0:
+        if isinstance(value, DTensor) or value is None:  # (a DTensor's full_tensor() here would wait for the other ranks)
+            raise CheckpointError(
+                "broadcast_from_rank0: rank 0 must hold a full state dict of plain tensors (get it with "
+                f"StateDictOptions(full_state_dict=True)); it has {'no value' if value is None else 'a DTensor'} "
+                f"for a tensor of shape {list(shape)}"
+            )
+        full = torch.as_tensor(value).detach().to(device=device, dtype=dtype).contiguous()
+        if tuple(full.shape) != shape:
+            raise CheckpointError(f"broadcast_from_rank0: rank 0's value has shape {list(full.shape)}, the model's {list(shape)}")
+    else:
+        full = torch.empty(shape, dtype=dtype, device=device)
+    broadcast(full, src=0)
+    return full
+
+
+def _global_meta(target: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    from spmd.tensor.dtensor import DTensor
+
+    device = target._local_tensor.device if isinstance(target, DTensor) else target.device
+    return tuple(target.shape), target.dtype, device
+
+
+def _set_model_from_rank0(own: Mapping[str, Any], model_state_dict: Mapping[str, Any], options: StateDictOptions) -> None:
+    """``broadcast_from_rank0``: every tensor of rank 0's full state dict, one at a time, to every rank's shards."""
+    keys = _broadcast_keys(model_state_dict, "set_model_state_dict")
+    missing = sorted(set(own) - set(keys))
+    unexpected = sorted(set(keys) - set(own))
+    if options.strict and (missing or unexpected):
+        raise CheckpointError(f"set_state_dict: rank 0's model state dict lacks {missing[:8]} and has unknown keys {unexpected[:8]}")
+    for key in keys:
+        target = own.get(key)
+        if not isinstance(target, torch.Tensor):
+            continue
+        shape, dtype, device = _global_meta(target)
+        full = _broadcast_tensor(model_state_dict.get(key), shape, dtype, device)
+        assign(target, full, f"model_state_dict[{key!r}]")
+
+
+def _optimizer_state_from_rank0(optim_state_dict: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """Rank 0's optimizer state dict on every rank: its structure as one object, then its tensors one by one."""
+    from spmd.comm.init import get_rank
+    from spmd.comm.objects import broadcast_object_list
+
+    tensors: list[torch.Tensor] = []
+
+    def skeleton(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            return ("__tensor__", tuple(value.shape), value.dtype)
+        if isinstance(value, Mapping):
+            return {k: skeleton(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [skeleton(v) for v in value]
+        return value
+
+    box: list[Any] = [skeleton(dict(optim_state_dict)) if get_rank() == 0 else None]
+    broadcast_object_list(box, src=0)
+    queue = iter(tensors)
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, tuple) and len(value) == 3 and value[0] == "__tensor__":
+            return _broadcast_tensor(next(queue, None), value[1], value[2], device)
+        if isinstance(value, dict):
+            return {k: fill(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fill(v) for v in value]
+        return value
+
+    return fill(box[0])
+
+
 def set_model_state_dict(model: nn.Module, model_state_dict: Mapping[str, Any], *, options: StateDictOptions | None = None) -> None:
-    """Copy ``model_state_dict`` into the unwrapped model's parameters and buffers, in place."""
+    """Copy ``model_state_dict`` into the unwrapped model's parameters and buffers, in place (see StateDictOptions)."""
     options = options or StateDictOptions()
     own = unwrap(model).state_dict(keep_vars=True)
+    if options.broadcast_from_rank0:
+        _set_model_from_rank0(own, model_state_dict, options)
+        return
     missing = sorted(set(own) - set(model_state_dict))
     unexpected = sorted(set(model_state_dict) - set(own))
     if options.strict and (missing or unexpected):
@@ -181,8 +364,20 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Mapping[str, Any], 
 def set_optimizer_state_dict(
     model: nn.Module, optimizers: Any, optim_state_dict: Mapping[str, Any], *, options: StateDictOptions | None = None
 ) -> None:
-    """Copy a state dict from ``get_optimizer_state_dict`` into the optimizers, in place, resharding tensors."""
+    """Copy a state dict from ``get_optimizer_state_dict`` into the optimizers, in place, resharding tensors.
+
+    With ``broadcast_from_rank0``, rank 0's full state dict reaches every rank
+    (its tensors one by one) before each rank keeps its shards; with
+    ``flatten_optimizer_state_dict``, the flat layout is accepted.
+    """
+    options = options or StateDictOptions()
     names = _names(unwrap(model))
+    if options.broadcast_from_rank0:
+        first = next((p for opt in _optimizers(optimizers) for g in opt.param_groups for p in g["params"]), None)
+        device = _global_meta(first)[2] if first is not None else torch.device("cpu")
+        optim_state_dict = _optimizer_state_from_rank0(optim_state_dict, device)
+    if "state" not in optim_state_dict and "param_groups" not in optim_state_dict and optim_state_dict:
+        optim_state_dict = unflatten_optimizer_state_dict(optim_state_dict, names.values())
     saved_groups = {fqn: g for g in optim_state_dict.get("param_groups", []) for fqn in g["params"]}
     saved_state = optim_state_dict.get("state", {})
     for optimizer in _optimizers(optimizers):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -150,3 +151,21 @@ def open_storage(url: str) -> Storage:
             "or add a plugin whose spmd_storages() names the scheme; `spmd plugins` lists what is loaded"
         )
     return entry.spec.factory(str(url))
+
+
+def checkpoint_location(checkpoint_id: str | os.PathLike | None, storage: Any, what: str) -> str:
+    """The checkpoint URL from ``checkpoint_id`` or torch's ``storage_writer``/``storage_reader`` (its ``checkpoint_id``)."""
+    if storage is not None:
+        location = getattr(storage, "checkpoint_id", None)
+        if location is None:
+            raise TypeError(
+                f"{what}: spmd takes storage_writer/storage_reader objects that name a location "
+                f"(spmd.checkpoint.FileSystemWriter/FileSystemReader), not {type(storage).__name__}; "
+                "or pass checkpoint_id=path (any storage plugin's URL)"
+            )
+        if checkpoint_id is not None and os.fspath(checkpoint_id) != os.fspath(location):
+            raise ValueError(f"{what}: checkpoint_id {checkpoint_id!r} and the storage's {location!r} differ; give one")
+        return os.fspath(location)
+    if checkpoint_id is None:
+        raise TypeError(f"{what}: pass checkpoint_id= (a path or a storage URL) or storage_writer=/storage_reader=")
+    return os.fspath(checkpoint_id)

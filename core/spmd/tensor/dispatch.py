@@ -10,7 +10,9 @@ gather, compute, reshard, with a warning naming the op once per process.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +59,42 @@ _direct: dict[Any, Plan] = {}
 #: The plugin manager the caches were filled under: a reload of the plugins (new rules) empties them.
 _cached_for: object = None
 _warned: set[str] = set()
+#: How many ``implicit_replication()`` contexts are open: while above 0, a plain tensor beside DTensors is taken
+#: as replicated on their mesh instead of raising MixedTensorError. Read only where a plain tensor is found, so
+#: the common path (DTensors and scalars) never pays for it.
+implicit_replication_depth = 0
 #: Ops taken over by an active context (``loss_parallel``): op -> fn(*args, **kwargs), checked before the rules.
 overrides: dict[Any, Any] = {}
+
+
+@contextlib.contextmanager
+def implicit_replication() -> Iterator[None]:
+    """Within it, a plain ``torch.Tensor`` beside DTensors counts as replicated on their mesh (torch's semantics).
+
+    As ``torch.distributed.tensor.experimental.implicit_replication``: code that
+    mixes a DTensor with a tensor every rank holds whole (a mask, a bias built
+    by hand) runs without converting it. Each rank's tensor is taken as is, so
+    it must be the same on every rank. Not thread-local, as torch's is not.
+    """
+    global implicit_replication_depth
+    implicit_replication_depth += 1
+    try:
+        yield
+    finally:
+        implicit_replication_depth -= 1
+
+
+def _replicate_plain_tensors(flat: list[Any]) -> list[Any]:
+    """``flat`` with each plain tensor of one or more dimensions wrapped as a replicated DTensor on the DTensors' mesh."""
+    mesh = next(x._spec.mesh for x in flat if isinstance(x, DTensor))
+    replicate = tuple(Replicate() for _ in range(mesh.ndim))
+    out = []
+    for x in flat:
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim != 0:
+            shape = tuple(x.shape)
+            x = DTensor(x, DTensorSpec(mesh, replicate, shape, tuple(x.stride()), x.dtype))
+        out.append(x)
+    return out
 
 
 # -- flattening (one level of lists is all aten schemas use) ------------------------------------------
@@ -185,10 +221,14 @@ def _dispatch_planned(func: torch._ops.OpOverload, args: tuple, kwargs: dict, ru
             key.append(spec.key)
         elif isinstance(x, torch.Tensor):
             if x.ndim != 0:
+                if implicit_replication_depth:  # the switch: only consulted when a plain tensor turns up
+                    args, kwargs = _unflatten(_replicate_plain_tensors(flat), layout)
+                    return _dispatch_planned(func, args, kwargs, rule)
                 raise MixedTensorError(
                     f"{func}: got a plain torch.Tensor of shape {tuple(x.shape)} beside DTensors; convert it with "
-                    "spmd.distribute_tensor(t, mesh, [Replicate()]) or DTensor.from_local first (only 0-dim "
-                    "tensors are taken as replicated)"
+                    "spmd.distribute_tensor(t, mesh, [Replicate()]) or DTensor.from_local first, or run the code "
+                    "under spmd.tensor.experimental.implicit_replication() (only 0-dim tensors are taken as "
+                    "replicated otherwise)"
                 )
             key.append((x.dtype, x.device.type))
         else:

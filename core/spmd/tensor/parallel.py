@@ -1,0 +1,32 @@
+"""Mirror of ``torch.distributed.tensor.parallel``: spmd's tensor parallelism (home: ``spmd.parallel.tp``)."""
+
+from spmd._mirror import missing_names
+from spmd.parallel.tp import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+__all__ = [
+    "ColwiseParallel",
+    "ParallelStyle",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "loss_parallel",
+    "parallelize_module",
+]
+
+#: torch.distributed.tensor.parallel names spmd does not have yet -> the closest spmd way.
+MISSING = {
+    "PrepareModuleInputOutput": "PrepareModuleInput(...) and PrepareModuleOutput(...) applied to the module one after "
+    "the other (parallelize_module(m, mesh, PrepareModuleInput(...)); then again with PrepareModuleOutput(...))",
+}
+
+__getattr__ = missing_names(__name__, MISSING)

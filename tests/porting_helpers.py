@@ -245,3 +245,22 @@ def pipelining_torch_names(cls_name: str, stages_per_rank: int, n_microbatches: 
         "losses": max((abs(loss.item() - e) for loss, e in zip(losses, expected_losses, strict=True)), default=0.0) if losses else 0.0,
         "had_losses": bool(losses),
     }
+
+
+def torch_broadcast_from_rank0_over_spmd() -> bool:
+    """torch's own set_model_state_dict(broadcast_from_rank0=True) on torch's fully_shard, over spmd's ProcessGroup
+    (it read the group's _device_types, which the bridge left empty: IndexError)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import spmd
+
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 6)
+    full = {k: v.clone() for k, v in reference.state_dict().items()} if spmd.get_rank() == 0 else {}
+    torch.manual_seed(10 + spmd.get_rank())  # every rank starts from other weights
+    model = nn.Linear(4, 6)
+    torch_fully_shard(model, mesh=torch_mesh("cpu", (spmd.get_world_size(),)))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return all(torch.equal(p.full_tensor(), reference.state_dict()[k]) for k, p in model.state_dict().items())

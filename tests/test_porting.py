@@ -164,6 +164,10 @@ def test_broadcast_from_rank0_as_torch(spmd_world):
         assert r["frozen_left_out"], r
 
 
+def test_torchs_own_broadcast_from_rank0_runs_over_spmd(spmd_world):
+    assert spmd_world(2, "gloo").run(h.torch_broadcast_from_rank0_over_spmd, timeout=120) == [True, True]
+
+
 # -- a torch tensor-parallel script ported by the one replacement --------------------------------------------
 
 

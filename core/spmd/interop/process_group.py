@@ -65,6 +65,15 @@ class SpmdProcessGroup(tdist.ProcessGroup):
         self._name = ""
         self._desc = ""
 
+    @property
+    def _device_types(self) -> list[torch.device]:
+        """The device types the group serves: torch reads it to pick where object and state-dict broadcasts run
+        (its ``broadcast_from_rank0`` raised IndexError on an empty list)."""
+        configured = self.spmd_group.backend_map
+        if configured is not None:
+            return [torch.device(device_type) for device_type in configured]
+        return [torch.device("cpu"), *([torch.device("cuda")] if torch.cuda.is_available() else [])]
+
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         """"spmd", as registered with torch.distributed.Backend."""
         return "spmd"

@@ -59,11 +59,13 @@ def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def load_full_tensors_pre_hook(unit: Any) -> Callable[..., None]:
-    """A load_state_dict pre-hook for ``unit``'s module: plain full tensors become this rank's DTensor shards."""
+def load_full_tensors_pre_hook(unit: Any, home: int) -> Callable[..., None]:
+    """A load_state_dict pre-hook for ``unit``'s module number ``home`` (of a group): plain full tensors of
+    the parameters named relative to it become this rank's DTensor shards."""
+    mine = [(index, name) for index, name in enumerate(unit.names) if unit.homes[index] == home]
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-        for index, name in enumerate(unit.names):
+        for index, name in mine:
             key = prefix + name
             value = state_dict.get(key)
             if value is None or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
@@ -72,5 +74,15 @@ def load_full_tensors_pre_hook(unit: Any) -> Callable[..., None]:
             if tuple(value.shape) != spec.shape:
                 continue  # load_state_dict reports the size mismatch
             state_dict[key] = DTensor(local_piece(value.detach(), spec).to(spec.dtype), spec)
+
+    return hook
+
+
+def adopt_after_load(unit: Any) -> Callable[..., None]:
+    """A load_state_dict post-hook: ``assign=True`` registered new parameters; the unit adopts them (its flat
+    shard holds their values, they become its views), so training steps what the forward gathers."""
+
+    def hook(module: nn.Module, incompatible_keys: Any) -> None:
+        unit.adopt_parameters(strict=False)  # a partial load may leave some on meta until the next load
 
     return hook

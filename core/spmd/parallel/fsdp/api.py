@@ -103,11 +103,11 @@ def fully_shard(
     named, owners = _managed_parameters(modules, ignored_params or set())
     unit = FSDPUnit(modules, named, owners, mesh, reshard, mp_policy or MixedPrecisionPolicy(),
                     offload_to_cpu=isinstance(offload_policy, CPUOffloadPolicy))
-    for home, m in enumerate(modules):
+    for m in modules:
         m.__dict__[UNIT_ATTR] = unit
         m.register_forward_pre_hook(_pre_forward, with_kwargs=True)
         m.register_forward_hook(_post_forward)
-        m.register_load_state_dict_pre_hook(load_full_tensors_pre_hook(unit, home))
+        m.register_load_state_dict_pre_hook(load_full_tensors_pre_hook(unit))
         m.register_load_state_dict_post_hook(adopt_after_load(unit))
         m.__class__ = fsdp_class(type(m))
     return module
@@ -155,9 +155,9 @@ def _default_mesh(device: str) -> DeviceMesh:
 
 def _managed_parameters(
     modules: list[nn.Module], ignored: set[nn.Parameter]
-) -> tuple[list[tuple[int, str, nn.Parameter]], dict[int, list[tuple[nn.Module, str]]]]:
-    """The parameters of ``modules`` outside inner units and ``ignored`` (deduplicated), each with the index of
-    the module its name is relative to; and every (module, attribute) holding each."""
+) -> tuple[list[tuple[str, nn.Parameter]], dict[int, list[tuple[nn.Module, str]]]]:
+    """The parameters of ``modules`` outside inner units and ``ignored`` (deduplicated), named relative to their
+    module; and every (module, attribute) holding each."""
     skip: set[int] = set()
     for module in modules:
         for name, sub in module.named_modules():
@@ -166,9 +166,9 @@ def _managed_parameters(
     inner = {id(p) for module in modules for m in module.modules() if id(m) in skip
              for p in m._parameters.values() if p is not None}
     inner.update(id(p) for p in ignored)
-    named: list[tuple[int, str, nn.Parameter]] = []
+    named: list[tuple[str, nn.Parameter]] = []
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for home, module in enumerate(modules):
+    for module in modules:
         for prefix, sub in module.named_modules(remove_duplicate=False):
             if id(sub) in skip:
                 continue
@@ -177,7 +177,7 @@ def _managed_parameters(
                     continue
                 if id(p) not in owners:
                     owners[id(p)] = []
-                    named.append((home, f"{prefix}.{attr}" if prefix else attr, p))
+                    named.append((f"{prefix}.{attr}" if prefix else attr, p))
                 if (sub, attr) not in owners[id(p)]:
                     owners[id(p)].append((sub, attr))
     return named, owners

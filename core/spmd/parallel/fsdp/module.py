@@ -31,7 +31,7 @@ def fsdp_class(cls: type) -> type:
         return cls
     sub = _classes.get(cls)
     if sub is None:
-        sub = _classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        sub = _classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     return sub
 
 
@@ -142,7 +142,8 @@ class FSDPModule:
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False keeps the unsharded parameters after backward (no all-gather in the next forward): for the
-        micro-batches of gradient accumulation; set True again before the optimizer step, or they go stale."""
+        micro-batches of gradient accumulation. An optimizer step in between is seen (the parameters' version
+        counters moved) and the next forward gathers again, so it never computes with stale parameters."""
         for unit in _units_below(self, recurse):  # type: ignore[arg-type]
             unit.reshard_after_backward = reshard_after_backward
 

@@ -61,6 +61,7 @@ class FSDPRoot:
         grad = torch.is_grad_enabled()
         if self._recording and unit not in self.order:
             self.order.append(unit)
+        unit.drop_stale_unsharded()
         unit.unshard()
         unit.wait_unshard()  # before prefetching: its gathered buffer is freed before the next one is allocated
         for target in self._forward_targets(unit):

@@ -59,13 +59,16 @@ def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def load_full_tensors_pre_hook(unit: Any, home: int) -> Callable[..., None]:
-    """A load_state_dict pre-hook for ``unit``'s module number ``home`` (of a group): plain full tensors of
-    the parameters named relative to it become this rank's DTensor shards."""
-    mine = [(index, name) for index, name in enumerate(unit.names) if unit.homes[index] == home]
+def load_full_tensors_pre_hook(unit: Any) -> Callable[..., None]:
+    """A load_state_dict pre-hook for a module of ``unit``: plain full tensors of the unit's parameters under it
+    (under every name, tied ones included) become this rank's DTensor shards."""
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-        for index, name in mine:
+        index_of = {id(p): i for i, p in enumerate(unit.params)}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            index = index_of.get(id(p))
+            if index is None:
+                continue
             key = prefix + name
             value = state_dict.get(key)
             if value is None or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):

@@ -65,7 +65,7 @@ class FSDPUnit:
     def __init__(
         self,
         modules: list[nn.Module],
-        named: list[tuple[int, str, nn.Parameter]],
+        named: list[tuple[str, nn.Parameter]],
         owners: dict[int, list[tuple[nn.Module, str]]],
         mesh: DeviceMesh,
         reshard_after_forward: bool,
@@ -87,25 +87,23 @@ class FSDPUnit:
         self.rank = self.shard_group.rank
         self.dp_size = mesh.size()
         self.placements: tuple[Placement, ...] = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-        #: Per parameter: the index in ``modules`` of the module its name is relative to, and that name.
-        self.homes = [home for home, _, _ in named]
-        self.names = [name for _, name, _ in named]
-        dtypes = {p.dtype for _, _, p in named}
+        self.names = [name for name, _ in named]  # relative to the module of ``modules`` that holds it
+        dtypes = {p.dtype for _, p in named}
         if len(dtypes) > 1:
             raise SpmdError(f"fully_shard({type(self.module).__name__}): its parameters mix dtypes {sorted(map(str, dtypes))}; "
                             "give each dtype its own fully_shard-ed submodule")
-        for _, name, p in named:
+        for name, p in named:
             if p.ndim == 0:
                 raise SpmdError(f"fully_shard: parameter {name!r} is a scalar; dim 0 cannot be sharded (make it shape (1,))")
         #: Per parameter: the DTensorSpec it has inside the module's forward (tensor parallel), or None (plain).
-        self._tp_specs = [self._inner_spec(name, p) for _, name, p in named]
+        self._tp_specs = [self._inner_spec(name, p) for name, p in named]
         self._set_dtype(dtypes.pop() if dtypes else torch.float32)
-        data = [p._local_tensor if isinstance(p, DTensor) else p for _, _, p in named]  # type: ignore[attr-defined]
+        data = [p._local_tensor if isinstance(p, DTensor) else p for _, p in named]  # type: ignore[attr-defined]
         self.layout = FlatLayout([tuple(t.shape) for t in data], self.world)
-        device = named[0][2].device if named else torch.device(mesh.device_type)
+        device = named[0][1].device if named else torch.device(mesh.device_type)
         self._check_offload(device)
         self.specs: list[DTensorSpec] = []
-        for (_, _, p), inner in zip(named, self._tp_specs):
+        for (_, p), inner in zip(named, self._tp_specs):
             shape = tuple(p.shape)
             if inner is None:
                 self.specs.append(DTensorSpec(mesh, self.placements, shape, contiguous_stride(shape), self.dtype))
@@ -118,7 +116,7 @@ class FSDPUnit:
         views = self._new_flat_shard(pieces, device)
         self.params: list[nn.Parameter] = []
         self.owners: list[list[tuple[nn.Module, str]]] = []
-        for (_, _, p), local, spec in zip(named, views, self.specs):
+        for (_, p), local, spec in zip(named, views, self.specs):
             sharded = nn.Parameter(DTensor(local, spec), requires_grad=p.requires_grad)
             if sharded._local_tensor.data_ptr() != local.data_ptr() and local.numel():  # type: ignore[attr-defined]
                 raise SpmdError("fully_shard: nn.Parameter copied the DTensor's local shard; the flat shard would go stale")
@@ -128,6 +126,7 @@ class FSDPUnit:
                 owner._parameters[attr] = sharded
         self.locals = [p._local_tensor for p in self.params]  # type: ignore[attr-defined]
         self.state = SHARDED
+        self._gathered_version = -1  # the parameters' version counters (summed) when they were last gathered
         self._gather: tuple[Work, torch.Tensor, torch.Tensor] | None = None
         self._accumulated: torch.Tensor | None = None  # unsharded gradients kept while sync is off
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered gradients kept while all-reduce is off
@@ -284,6 +283,18 @@ class FSDPUnit:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
             self.layout.copy_out(gathered, self.full)
         self.state = UNSHARDED
+        self._gathered_version = self._version()
+
+    def drop_stale_unsharded(self) -> None:
+        """Reshard if the shard changed since it was gathered (an optimizer step while ``reshard_after_backward``
+        was False kept the unsharded parameters): the next forward gathers the new values, never the old ones."""
+        if self.state == UNSHARDED and self._version() != self._gathered_version:
+            self.reshard()
+
+    def _version(self) -> int:
+        """The sum of the parameters' version counters: in-place updates (optimizer steps) raise it. (The
+        flat shard's own counter does not move: the updates reach it below the dispatcher's version bump.)"""
+        return sum(p._version for p in self.params)
 
     def reshard(self) -> None:
         """Free the unsharded parameters (the sharded ones always stay)."""

@@ -370,3 +370,52 @@ def divide_factor(factor: float, steps: int = 4) -> dict[str, Any]:
         losses.append(loss.item())
     out["ref"] = losses
     return out
+
+
+class Tied(nn.Module):
+    """The head's weight is the embedding's (one parameter under two names in the state dict)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(tokens)))
+
+
+def tied_and_double(steps: int = 3) -> dict[str, Any]:
+    """Tied weights through meta -> fully_shard -> to_empty -> load_state_dict (both names), and .double()
+    after fully_shard, each against the one-process reference."""
+    mesh, _ = _meshes()
+    torch.manual_seed(0)
+    ref = Tied()
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    with torch.device("meta"):
+        tied = Tied()
+    fully_shard(tied, mesh=mesh)
+    tied.to_empty(device="cpu")
+    tied.load_state_dict(state)
+    out: dict[str, Any] = {"keys": sorted(state), "still_tied": tied.emb.weight is tied.head.weight}
+    out["tied"], out["tied_ref"] = _train(tied, steps), _train(ref, steps, sharded=False)
+    ref64, full = _reference()
+    ref64.double()
+    torch.manual_seed(0)
+    ours = _shard(Model(), fully_shard, mesh).double()
+    out["dtype"] = str(ours.head.weight.dtype)
+    out["double"], out["double_ref"] = _train(ours, steps), _train(ref64, steps, sharded=False)
+    return out
+
+
+def kept_unsharded_after_backward(steps: int = 4) -> dict[str, Any]:
+    """set_reshard_after_backward(False) on every unit through the optimizer steps: the next forward must gather
+    the stepped shards, not reuse the kept (stale) unsharded parameters."""
+    mesh, _ = _meshes()
+    ref, _ = _reference()
+    torch.manual_seed(0)
+    ours = _shard(Model(), fully_shard, mesh)
+    ours.set_reshard_after_backward(False)
+    losses = _train(ours, steps)
+    states = [m._spmd_fsdp_unit.state for m in ours.modules() if isinstance(m, FSDPModule)]
+    return {"ours": losses, "ref": _train(ref, steps, sharded=False), "states": states}

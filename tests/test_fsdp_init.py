@@ -72,3 +72,17 @@ def test_gradient_divide_factor_like_torch(spmd_world):
     for r in spmd_world(2, "gloo").run(h.divide_factor, 3.0, timeout=300):
         _same(r["ours"], r["torch"])
         _same(r["ours"], r["ref"])
+
+
+def test_tied_weights_through_meta_and_double_after_fully_shard(spmd_world):
+    for r in spmd_world(2, "gloo").run(h.tied_and_double, timeout=300):
+        assert r["keys"] == ["emb.weight", "head.weight"] and r["still_tied"]
+        _same(r["tied"], r["tied_ref"])
+        assert r["dtype"] == "torch.float64"
+        _same(r["double"], r["double_ref"])
+
+
+def test_reshard_after_backward_false_never_trains_on_stale_parameters(spmd_world):
+    for r in spmd_world(2, "gloo").run(h.kept_unsharded_after_backward, timeout=300):
+        assert r["states"] == ["unsharded"] * 3  # kept after the last backward, as asked
+        _same(r["ours"], r["ref"])

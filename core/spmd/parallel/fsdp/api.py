@@ -29,6 +29,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
 ) -> Any:
     """Shard ``module``'s parameters over ``mesh`` (FSDP); returns ``module``, changed in place.
 
@@ -70,8 +71,9 @@ def fully_shard(
     (none) or ``CPUOffloadPolicy()``, accepted where the parameters are on the CPU
     already (it changes nothing there); spmd does not offload accelerator parameters.
     ``ignored_params``: parameters left as they are (not sharded, not reduced).
-    ``shard_placement_fn`` (torch's per-parameter placement) is not supported:
-    spmd shards every parameter's dim 0.
+    ``shard_placement_fn`` (torch's per-parameter placement) and ``dp_mesh_dims``
+    are not supported (NotImplementedError): spmd shards every parameter's dim 0
+    over ``mesh``; for 2-D with tensor parallelism pass ``mesh=mesh["dp"]``.
 
     The module's class becomes ``FSDP<Class>``, a subclass of ``FSDPModule``
     and of its class (as in torch, so ``isinstance(m, FSDPModule)`` holds), with
@@ -90,6 +92,9 @@ def fully_shard(
     if shard_placement_fn is not None:
         raise NotImplementedError("fully_shard(shard_placement_fn=...): spmd shards every parameter on dim 0; "
                                   "put parameters that need another layout in their own module (or ignored_params)")
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fully_shard(dp_mesh_dims=...): pass the data-parallel sub-mesh itself, "
+                                  "fully_shard(m, mesh=mesh['dp']) (or a 2-D (replicate, shard) mesh for HSDP)")
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {offload_policy!r}")
     if mesh is None:

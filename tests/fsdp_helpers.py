@@ -63,9 +63,12 @@ def _batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train_against_reference(
     mesh_shape: tuple[int, ...], steps: int = 5, accumulate: int = 1, reshard_after_forward: bool = True,
-    param_dtype: torch.dtype | None = None,
+    param_dtype: torch.dtype | None = None, sync: str = "gradient",
 ) -> dict[str, Any]:
-    """Train a sharded copy and a single-process reference (on the concatenated batch) side by side with AdamW."""
+    """Train a sharded copy and a single-process reference (on the concatenated batch) side by side with AdamW.
+
+    ``sync``: what accumulation turns off on all but the last micro-batch: "gradient" (every reduction) or
+    "all_reduce" (HSDP's all-reduce only: the reduce-scattered gradients accumulate)."""
     world, rank = spmd.get_world_size(), spmd.get_rank()
     mesh = spmd.init_device_mesh("cpu", mesh_shape)
     torch.manual_seed(0)
@@ -83,7 +86,10 @@ def train_against_reference(
         x, y = _batch(step, world * accumulate * BATCH)
         total = torch.zeros(1)
         for micro in range(accumulate):
-            model.set_requires_gradient_sync(micro == accumulate - 1)  # type: ignore[operator]
+            if sync == "gradient":
+                model.set_requires_gradient_sync(micro == accumulate - 1)  # type: ignore[operator]
+            else:
+                model.set_requires_all_reduce(micro == accumulate - 1)  # type: ignore[operator]
             start = (micro * world + rank) * BATCH
             xm, ym = x[start : start + BATCH], y[start : start + BATCH]
             loss = F.mse_loss(model(xm).float(), ym) / accumulate

@@ -49,6 +49,10 @@ def test_hsdp_on_a_2x2_mesh(spmd_world):
     _check(spmd_world(4, "gloo").run(h.train_against_reference, (2, 2), timeout=300))
 
 
+def test_hsdp_accumulation_with_set_requires_all_reduce(spmd_world):
+    _check(spmd_world(4, "gloo").run(h.train_against_reference, (2, 2), accumulate=2, sync="all_reduce", timeout=300))
+
+
 def test_bf16_mixed_precision_against_bf16_reference(spmd_world):
     _check(spmd_world(2, "gloo").run(h.train_against_reference, (2,), param_dtype=torch.bfloat16, timeout=300),
            loss_tol=2e-2, param_tol=3e-2)

@@ -20,7 +20,11 @@ from spmd.parallel.comm_hooks import (
 )
 from spmd.parallel.ddp import DistributedDataParallel
 from spmd.parallel.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
     fully_shard,
     get_full_state_dict,
     is_fully_sharded,
@@ -50,9 +54,12 @@ __all__ = [
     "loss_parallel",
     "parallelize_module",
     "CommHook",
+    "CPUOffloadPolicy",
     "DistributedDataParallel",
+    "FSDPModule",
     "GradBucket",
     "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "StrategyNotFoundError",
     "StrategySpec",
     "allreduce_hook",
@@ -67,4 +74,5 @@ __all__ = [
     "load_full_state_dict",
     "register_hook",
     "strategy_names",
+    "UnshardHandle",
 ]

@@ -14,6 +14,7 @@ gradients set.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from spmd.parallel.fsdp.autograd import PreBackward, UnshardedViews
+from spmd.parallel.fsdp.policy import MixedPrecisionPolicy
 from spmd.parallel.fsdp.unit import SHARDED, FSDPUnit, PendingReduce
 
 UNIT_ATTR = "_spmd_fsdp_unit"
@@ -37,7 +39,7 @@ class FSDPRoot:
 
     def __init__(self, root: FSDPUnit) -> None:
         self.root = root
-        self.units = [u for m in root.module.modules() if (u := unit_of(m)) is not None]
+        self.units = list(dict.fromkeys(u for top in root.modules for m in top.modules() if (u := unit_of(m)) is not None))
         for unit in self.units:
             unit.root = self
         self.order: list[FSDPUnit] = []  # forward order, recorded during the first forward
@@ -47,10 +49,19 @@ class FSDPRoot:
         self._in_backward: set[FSDPUnit] = set()  # units that ran a forward with grad this iteration
 
     # -- forward -------------------------------------------------------------------------
-    def pre_forward(self, unit: FSDPUnit, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def pre_forward(self, unit: FSDPUnit, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Before ``module``'s forward: unshard its unit and install the unsharded parameters (once per pass of a
+        ``fully_shard([a, b])`` group: its later modules find them installed), then cast the inputs."""
+        if not unit.pending or len(unit.modules) == 1:  # a single module sets up on every call (a failed pass leaves no trace)
+            self._set_up(unit)
+            unit.pending = set(unit.modules)
+        return _cast_inputs(unit.mp_policy, args, kwargs)
+
+    def _set_up(self, unit: FSDPUnit) -> None:
         grad = torch.is_grad_enabled()
         if self._recording and unit not in self.order:
             self.order.append(unit)
+        unit.drop_stale_unsharded()
         unit.unshard()
         unit.wait_unshard()  # before prefetching: its gathered buffer is freed before the next one is allocated
         for target in self._forward_targets(unit):
@@ -63,20 +74,29 @@ class FSDPRoot:
         else:
             views = [v.detach() for v in unit.full_views]
         unit.install(views)
-        if unit.compute_dtype != unit.dtype:
-            cast = lambda t: t.to(unit.compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        return args, kwargs
 
-    def post_forward(self, unit: FSDPUnit, output: Any) -> Any:
-        unit.uninstall()
+    def post_forward(self, unit: FSDPUnit, module: nn.Module, output: Any) -> Any:
+        """After ``module``'s forward: once the unit's last module is done, uninstall (and reshard); hook the
+        outputs into backward; cast them to the policy's ``output_dtype``."""
+        unit.pending.discard(module)
+        if not unit.pending:
+            self._tear_down(unit)
         if unit is self.root:
             self._recording = False
-        grad = torch.is_grad_enabled()
-        if not grad or (unit.reshard_after_forward and unit is not self.root):
+            for other in self.units:  # a group module that did not run this pass
+                if other.pending:
+                    other.pending.clear()
+                    self._tear_down(other)
+        if torch.is_grad_enabled():
+            output = self._hook_backward(unit, output)
+        return _cast_outputs(unit.mp_policy, output)
+
+    def _tear_down(self, unit: FSDPUnit) -> None:
+        unit.uninstall()
+        if not torch.is_grad_enabled() or (unit.reshard_after_forward and unit is not self.root):
             unit.reshard()
-        if not grad:
-            return output
+
+    def _hook_backward(self, unit: FSDPUnit, output: Any) -> Any:
         flat, spec = tree_flatten(output)
         positions = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
@@ -120,7 +140,7 @@ class FSDPRoot:
         self._queue_callback()
         # Memory first: free this unit's unsharded parameters and the previous reduction's buffers
         # (issued one unit ago: usually finished by now) before this reduction allocates its own.
-        if unit is not self.root:
+        if unit is not self.root and unit.reshard_after_backward:
             unit.reshard()
         self._finish_pending()
         pending = unit.reduce_gradients(grads)
@@ -141,5 +161,23 @@ class FSDPRoot:
             self._callback_queued = False
             self._in_backward.clear()
             for unit in self.units:
-                if unit.state != SHARDED:
+                if unit.state != SHARDED and unit.reshard_after_backward:
                     unit.reshard()
+
+
+def _cast_inputs(policy: MixedPrecisionPolicy, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """The floating-point tensors among the inputs cast to ``param_dtype`` (torch's ``cast_forward_inputs``)."""
+    if not policy.cast_forward_inputs or policy.param_dtype is None:
+        return args, kwargs
+    cast = partial(_cast_float, policy.param_dtype)
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+def _cast_outputs(policy: MixedPrecisionPolicy, output: Any) -> Any:
+    return output if policy.output_dtype is None else tree_map(partial(_cast_float, policy.output_dtype), output)
+
+
+def _cast_float(dtype: torch.dtype, x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x

@@ -60,10 +60,15 @@ def _broadcast(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def load_full_tensors_pre_hook(unit: Any) -> Callable[..., None]:
-    """A load_state_dict pre-hook for ``unit``'s module: plain full tensors become this rank's DTensor shards."""
+    """A load_state_dict pre-hook for a module of ``unit``: plain full tensors of the unit's parameters under it
+    (under every name, tied ones included) become this rank's DTensor shards."""
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-        for index, name in enumerate(unit.names):
+        index_of = {id(p): i for i, p in enumerate(unit.params)}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            index = index_of.get(id(p))
+            if index is None:
+                continue
             key = prefix + name
             value = state_dict.get(key)
             if value is None or isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
@@ -72,5 +77,15 @@ def load_full_tensors_pre_hook(unit: Any) -> Callable[..., None]:
             if tuple(value.shape) != spec.shape:
                 continue  # load_state_dict reports the size mismatch
             state_dict[key] = DTensor(local_piece(value.detach(), spec).to(spec.dtype), spec)
+
+    return hook
+
+
+def adopt_after_load(unit: Any) -> Callable[..., None]:
+    """A load_state_dict post-hook: ``assign=True`` registered new parameters; the unit adopts them (its flat
+    shard holds their values, they become its views), so training steps what the forward gathers."""
+
+    def hook(module: nn.Module, incompatible_keys: Any) -> None:
+        unit.adopt_parameters(strict=False)  # a partial load may leave some on meta until the next load
 
     return hook

@@ -11,6 +11,12 @@ is sharded the same way, its local piece's rows chunked over this unit's
 ranks: its DTensor lives on the concatenated mesh (``tp`` then ``dp``) with
 the tensor-parallel placements followed by ``Shard(0)``, and during forward
 the module sees the tensor-parallel DTensor again (2-D: TP inside, FSDP outside).
+``fully_shard([a, b])`` makes one unit of several modules' parameters.
+Whatever replaces the registered parameters (``module._apply`` as in
+``to_empty``/``.to``, ``load_state_dict(assign=True)``, an assignment) is
+adopted by ``adopt_parameters``: the values are copied into a new flat shard
+and each parameter's local tensor becomes its view again, so the forward
+never gathers from a buffer the optimizer no longer steps.
 Unsharding is one ``all_gather_into_tensor`` of the whole unit and one copy
 into the parameter-major unsharded buffer; the gradient reduction is one
 ``reduce_scatter_tensor`` (plus, with HSDP, one ``all_reduce`` over the
@@ -38,7 +44,7 @@ from spmd.parallel.fsdp.policy import MixedPrecisionPolicy
 from spmd.tensor import debug
 from spmd.tensor.dtensor import DTensor, FromLocal
 from spmd.tensor.placements import Placement, Replicate, Shard
-from spmd.tensor.spec import DTensorSpec, contiguous_stride
+from spmd.tensor.spec import DTensorSpec, contiguous_stride, local_piece
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
 
@@ -54,83 +60,179 @@ class PendingReduce:
 
 
 class FSDPUnit:
-    """The sharded parameters of one module and the collectives that unshard them and reduce their gradients."""
+    """The sharded parameters of one module (or one group of modules) and the collectives that unshard them and reduce their gradients."""
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: list[nn.Module],
         named: list[tuple[str, nn.Parameter]],
         owners: dict[int, list[tuple[nn.Module, str]]],
         mesh: DeviceMesh,
         reshard_after_forward: bool,
         mp_policy: MixedPrecisionPolicy,
+        offload_to_cpu: bool = False,
     ) -> None:
         if mesh.ndim not in (1, 2):
             raise SpmdError(f"fully_shard: the mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got {mesh}")
-        self.module = module
+        self.modules = modules
+        self.module = modules[0]
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
         self.mp_policy = mp_policy
+        self.offload_to_cpu = offload_to_cpu
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.world = self.shard_group.size
         self.rank = self.shard_group.rank
         self.dp_size = mesh.size()
         self.placements: tuple[Placement, ...] = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-        self.names = [name for name, _ in named]
+        self.names = [name for name, _ in named]  # relative to the module of ``modules`` that holds it
         dtypes = {p.dtype for _, p in named}
         if len(dtypes) > 1:
-            raise SpmdError(f"fully_shard({type(module).__name__}): its parameters mix dtypes {sorted(map(str, dtypes))}; "
+            raise SpmdError(f"fully_shard({type(self.module).__name__}): its parameters mix dtypes {sorted(map(str, dtypes))}; "
                             "give each dtype its own fully_shard-ed submodule")
         for name, p in named:
             if p.ndim == 0:
                 raise SpmdError(f"fully_shard: parameter {name!r} is a scalar; dim 0 cannot be sharded (make it shape (1,))")
-        self.dtype: torch.dtype = dtypes.pop() if dtypes else torch.float32
-        self.compute_dtype = mp_policy.compute_dtype(self.dtype)
-        self.reduce_dtype = mp_policy.gradient_dtype(self.dtype)
         #: Per parameter: the DTensorSpec it has inside the module's forward (tensor parallel), or None (plain).
-        self.inner_specs = [self._inner_spec(name, p) for name, p in named]
+        self._tp_specs = [self._inner_spec(name, p) for name, p in named]
+        self._set_dtype(dtypes.pop() if dtypes else torch.float32)
         data = [p._local_tensor if isinstance(p, DTensor) else p for _, p in named]  # type: ignore[attr-defined]
         self.layout = FlatLayout([tuple(t.shape) for t in data], self.world)
         device = named[0][1].device if named else torch.device(mesh.device_type)
-        self.flat_shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        self._check_offload(device)
         self.specs: list[DTensorSpec] = []
+        for (_, p), inner in zip(named, self._tp_specs):
+            shape = tuple(p.shape)
+            if inner is None:
+                self.specs.append(DTensorSpec(mesh, self.placements, shape, contiguous_stride(shape), self.dtype))
+            else:  # the tensor-parallel placements, then this unit's: dp chunks the tp piece's rows
+                outer = concatenate_meshes(inner.mesh, mesh)
+                self.specs.append(DTensorSpec(outer, inner.placements + self.placements, shape, inner.stride, self.dtype))
+        pieces = [whole.detach().narrow(0, self.layout.row_offset(i, self.rank), self.layout.slots[i].rows[self.rank])
+                  for i, whole in enumerate(data)]
+        #: This rank's piece of each parameter: a view of ``flat_shard``, and the local tensor of its DTensor.
+        views = self._new_flat_shard(pieces, device)
         self.params: list[nn.Parameter] = []
         self.owners: list[list[tuple[nn.Module, str]]] = []
-        with torch.no_grad():
-            for index, ((_name, p), whole, inner) in enumerate(zip(named, data, self.inner_specs)):
-                local = self.layout.local_view(self.flat_shard, index, self.rank)
-                start = self.layout.row_offset(index, self.rank)
-                local.copy_(whole.detach().narrow(0, start, local.shape[0]))
-                shape = tuple(p.shape)
-                if inner is None:
-                    spec = DTensorSpec(mesh, self.placements, shape, contiguous_stride(shape), self.dtype)
-                else:  # the tensor-parallel placements, then this unit's: dp chunks the tp piece's rows
-                    outer = concatenate_meshes(inner.mesh, mesh)
-                    spec = DTensorSpec(outer, inner.placements + self.placements, shape, inner.stride, self.dtype)
-                sharded = nn.Parameter(DTensor(local, spec), requires_grad=p.requires_grad)
-                if sharded._local_tensor.data_ptr() != local.data_ptr() and local.numel():  # type: ignore[attr-defined]
-                    raise SpmdError("fully_shard: nn.Parameter copied the DTensor's local shard; the flat shard would go stale")
-                self.specs.append(spec)
-                self.params.append(sharded)
-                self.owners.append(owners[id(p)])
-                for owner, attr in owners[id(p)]:
-                    owner._parameters[attr] = sharded
-        self.full = torch.empty(self.layout.full_numel, dtype=self.compute_dtype, device=device)
-        self.full_views = self.layout.full_views(self.full)
-        self._free_full()
+        for (_, p), local, spec in zip(named, views, self.specs):
+            sharded = nn.Parameter(DTensor(local, spec), requires_grad=p.requires_grad)
+            if sharded._local_tensor.data_ptr() != local.data_ptr() and local.numel():  # type: ignore[attr-defined]
+                raise SpmdError("fully_shard: nn.Parameter copied the DTensor's local shard; the flat shard would go stale")
+            self.params.append(sharded)
+            self.owners.append(owners[id(p)])
+            for owner, attr in owners[id(p)]:
+                owner._parameters[attr] = sharded
+        self.locals = [p._local_tensor for p in self.params]  # type: ignore[attr-defined]
         self.state = SHARDED
+        self._gathered_version = -1  # the parameters' version counters (summed) when they were last gathered
         self._gather: tuple[Work, torch.Tensor, torch.Tensor] | None = None
         self._accumulated: torch.Tensor | None = None  # unsharded gradients kept while sync is off
+        self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered gradients kept while all-reduce is off
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.gradient_divide_factor: float | None = None  # None: the data-parallel size (the mean)
+        self.is_last_backward = True  # torch's flag; spmd finishes each backward's reductions anyway
         self.forward_prefetch: list[FSDPUnit] | None = None  # None: the next unit in forward order
         self.backward_prefetch: list[FSDPUnit] | None = None  # None: the previous unit in forward order
         self.root: Any = None  # the FSDPRoot that drives this unit, set on the root's first forward
+        #: A group's modules still to finish their forward in this pass (the unit is set up for the rest of them).
+        self.pending: set[nn.Module] = set()
         self.grad_params = [i for i, p in enumerate(self.params) if p.requires_grad]
-        self.dummy = torch.empty(0, requires_grad=True)  # gives the views' autograd node an input
+        self.dummy = torch.empty(0, device="cpu", requires_grad=True)  # gives the views' autograd node an input
+
+    def _set_dtype(self, dtype: torch.dtype) -> None:
+        """The parameters' dtype, and the compute and reduce dtypes the policy derives from it."""
+        self.dtype = dtype
+        self.compute_dtype = self.mp_policy.compute_dtype(dtype)
+        self.reduce_dtype = self.mp_policy.gradient_dtype(dtype)
+        self.inner_specs = [None if s is None else DTensorSpec(s.mesh, s.placements, s.shape, s.stride, self.compute_dtype)
+                            for s in self._tp_specs]
+
+    def _check_offload(self, device: torch.device) -> None:
+        if self.offload_to_cpu and device.type not in ("cpu", "meta"):
+            raise NotImplementedError(
+                f"fully_shard(offload_policy=CPUOffloadPolicy()): the parameters are on {device}; spmd does not offload "
+                "accelerator parameters to the CPU (keep them on the CPU, or drop the offload policy)")
+
+    def _new_flat_shard(self, pieces: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """A new flat shard on ``device`` holding ``pieces`` (this rank's rows of each parameter), a new unsharded
+        buffer there (freed); returns each parameter's local view of the shard."""
+        flat = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=device)
+        views = [self.layout.local_view(flat, i, self.rank) for i in range(len(pieces))]
+        with torch.no_grad():
+            for view, piece in zip(views, pieces):
+                view.copy_(piece)
+        self.flat_shard = flat
+        self.full = torch.empty(self.layout.full_numel, dtype=self.compute_dtype, device=device)
+        self.full_views = self.layout.full_views(self.full)
+        self._free_full()
+        return views
+
+    # -- the parameters the modules hold ------------------------------------------------
+    def adopt_parameters(self, strict: bool = True) -> None:
+        """Make the flat shard the storage of the parameters registered on the modules now.
+
+        ``module._apply`` (``to_empty``, ``.to``) gives each parameter a new local
+        tensor, ``load_state_dict(assign=True)`` new Parameter objects: their
+        values are copied into a new flat shard (on their device, in their
+        dtype) and each parameter's local tensor becomes its view of it, so the
+        all-gather reads what the optimizer steps. A no-op when nothing changed.
+        Parameters left on different devices or dtypes (a group whose other
+        module ``_apply`` has not reached yet) wait for the next call unless ``strict``.
+        """
+        found = [owners[0][0]._parameters.get(owners[0][1]) for owners in self.owners]
+        if all(p is mine and p._local_tensor is local  # type: ignore[attr-defined]
+               for p, mine, local in zip(found, self.params, self.locals)):
+            return
+        if self.state != SHARDED:
+            self.reshard()
+        pieces = [self._piece(i, p) for i, p in enumerate(found)]
+        devices, dtypes = {t.device for t in pieces}, {t.dtype for t in pieces}
+        if len(devices) > 1 or len(dtypes) > 1:
+            if not strict:
+                return
+            raise SpmdError(f"fully_shard({type(self.module).__name__}): its parameters are on {sorted(map(str, devices))} in "
+                            f"{sorted(map(str, dtypes))}; one unit's parameters must share one device and dtype")
+        device = devices.pop()
+        self._check_offload(device)
+        self._set_dtype(dtypes.pop())
+        views = self._new_flat_shard(pieces, device)
+        for i, (p, local) in enumerate(zip(found, views)):
+            assert p is not None
+            old = self.specs[i]
+            spec = self.specs[i] = DTensorSpec(old.mesh, old.placements, old.shape, old.stride, self.dtype)
+            param: nn.Parameter
+            if isinstance(p, DTensor):
+                p._local_tensor = local  # type: ignore[attr-defined]
+                p._spec = spec  # type: ignore[attr-defined]
+                param = p
+            else:  # a plain full tensor set on the module: sharded again, as fully_shard did
+                param = nn.Parameter(DTensor(local, spec), requires_grad=p.requires_grad)
+            self.params[i] = param
+            self.locals[i] = param._local_tensor  # type: ignore[attr-defined]
+            for owner, attr in self.owners[i]:
+                owner._parameters[attr] = param
+        self.grad_params = [i for i, p in enumerate(self.params) if p.requires_grad]
+
+    def _piece(self, index: int, p: torch.Tensor | None) -> torch.Tensor:
+        """This rank's rows of the parameter now registered at ``index`` (its DTensor's local tensor, or cut from a full tensor)."""
+        name, spec = self.names[index], self.specs[index]
+        if p is None:
+            raise SpmdError(f"fully_shard: parameter {name!r} was removed from its module; a unit's parameters cannot change")
+        if isinstance(p, DTensor):
+            got: DTensorSpec = p._spec  # type: ignore[attr-defined]
+            if got.shape != spec.shape or got.placements != spec.placements or got.mesh != spec.mesh:
+                raise SpmdError(f"fully_shard: parameter {name!r} became a DTensor of shape {got.shape} placed {got.placements} "
+                                f"on {got.mesh}; it must keep shape {spec.shape} and placements {spec.placements} on {spec.mesh}")
+            return p._local_tensor  # type: ignore[attr-defined]
+        if tuple(p.shape) != spec.shape:
+            raise SpmdError(f"fully_shard: parameter {name!r} was replaced by a tensor of shape {tuple(p.shape)}, not {spec.shape}")
+        return local_piece(p.detach(), spec)
 
     def _inner_spec(self, name: str, p: nn.Parameter) -> DTensorSpec | None:
-        """A tensor-parallel DTensor parameter's spec (in the compute dtype), checked; None for a plain one."""
+        """A tensor-parallel DTensor parameter's spec, checked; None for a plain one."""
         if not isinstance(p, DTensor):
             return None
         spec: DTensorSpec = p._spec  # type: ignore[attr-defined]
@@ -143,7 +245,7 @@ class FSDPUnit:
             )
         if not all(isinstance(q, (Shard, Replicate)) for q in spec.placements):
             raise SpmdError(f"fully_shard: parameter {name!r} has placements {spec.placements}; only Shard and Replicate can be sharded further")
-        return DTensorSpec(spec.mesh, spec.placements, spec.shape, spec.stride, self.compute_dtype)
+        return spec
 
     # -- unshard / reshard -------------------------------------------------------------
     def _free_full(self) -> None:
@@ -153,6 +255,10 @@ class FSDPUnit:
         """Start the unit's all-gather (async); a no-op when it is unsharded or on its way."""
         if self.state != SHARDED:
             return
+        self.adopt_parameters()  # parameters replaced since (outside _apply and load_state_dict): gather those
+        if self.flat_shard.is_meta:
+            raise SpmdError(f"fully_shard({type(self.module).__name__}): the parameters are on the meta device; call "
+                            "model.to_empty(device=...) and initialise them (reset_parameters(), or load_state_dict) first")
         send = self.flat_shard if self.compute_dtype == self.dtype else self.flat_shard.to(self.compute_dtype)
         gathered = torch.empty(self.world * self.layout.shard_numel, dtype=self.compute_dtype, device=send.device)
         debug.record("all_gather", gathered.numel() * gathered.element_size(), self.shard_group)
@@ -177,6 +283,18 @@ class FSDPUnit:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full):
             self.layout.copy_out(gathered, self.full)
         self.state = UNSHARDED
+        self._gathered_version = self._version()
+
+    def drop_stale_unsharded(self) -> None:
+        """Reshard if the shard changed since it was gathered (an optimizer step while ``reshard_after_backward``
+        was False kept the unsharded parameters): the next forward gathers the new values, never the old ones."""
+        if self.state == UNSHARDED and self._version() != self._gathered_version:
+            self.reshard()
+
+    def _version(self) -> int:
+        """The sum of the parameters' version counters: in-place updates (optimizer steps) raise it. (The
+        flat shard's own counter does not move: the updates reach it below the dispatcher's version bump.)"""
+        return sum(p._version for p in self.params)
 
     def reshard(self) -> None:
         """Free the unsharded parameters (the sharded ones always stay)."""
@@ -192,7 +310,8 @@ class FSDPUnit:
 
         With gradient sync off they are added to a local unsharded accumulator;
         otherwise (with anything accumulated) they start one async reduce-scatter,
-        pre-divided by the data-parallel size so the result is the average.
+        pre-divided by the data-parallel size (or ``gradient_divide_factor``) so the
+        result is the average (or the sum over that factor).
         """
         full: list[torch.Tensor | None] = [None] * len(self.params)
         for index, grad in zip(self.grad_params, grads):
@@ -210,8 +329,9 @@ class FSDPUnit:
             self._accumulated = None
         inp = torch.empty(self.world * self.layout.shard_numel, dtype=self.reduce_dtype, device=self.flat_shard.device)
         self.layout.copy_in(full, inp)
-        if self.dp_size > 1:
-            inp.div_(self.dp_size)
+        factor = self.gradient_divide_factor if self.gradient_divide_factor is not None else self.dp_size
+        if factor != 1:
+            inp.div_(factor)
         debug.record("reduce_scatter", inp.numel() * inp.element_size(), self.shard_group)
         if self.shard_group.backend_for(inp, "reduce_scatter_tensor").reduce_scatter_copies_input:
             # The backend would all-reduce a copy of ``inp`` anyway: all-reduce the scratch buffer itself,
@@ -231,6 +351,12 @@ class FSDPUnit:
         if out is None:  # all-reduced in place: keep this rank's block, let the whole buffer go
             out = pending.inp.view(self.world, self.layout.shard_numel)[self.rank].clone()
         if self.replicate_group is not None and self.replicate_group.size > 1:
+            if self._partial is not None:  # reduce-scattered while all-reduce was off
+                out.add_(self._partial)
+                self._partial = None
+            if not self.requires_all_reduce:
+                self._partial = out
+                return
             debug.record("all_reduce", out.numel() * out.element_size(), self.replicate_group)
             collectives.all_reduce(out, op=ReduceOp.SUM, group=self.replicate_group)
         if out.dtype != self.dtype:
@@ -259,4 +385,5 @@ class FSDPUnit:
 
     def __repr__(self) -> str:
         n = sum(math.prod(s.shape) for s in self.layout.slots)
-        return f"FSDPUnit({type(self.module).__name__}, {len(self.params)} parameters, {n} elements, {self.state})"
+        names = "+".join(type(m).__name__ for m in self.modules)
+        return f"FSDPUnit({names}, {len(self.params)} parameters, {n} elements, {self.state})"

@@ -5,9 +5,16 @@ classes) is not mirrored: spmd has only the per-module ``fully_shard``.
 """
 
 from spmd._mirror import missing_names
-from spmd.parallel.fsdp import MixedPrecisionPolicy, UnshardHandle, fully_shard
+from spmd.parallel.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    fully_shard,
+)
 
-__all__ = ["MixedPrecisionPolicy", "UnshardHandle", "fully_shard"]
+__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]
 
 _FSDP1 = (
     "spmd's FSDP2 API: fully_shard(block) for each block, then fully_shard(model) "
@@ -37,15 +44,10 @@ MISSING = {
     "ShardedOptimStateDictConfig": _STATE_DICT,
     "LocalOptimStateDictConfig": _STATE_DICT,
     "OptimStateKeyType": _STATE_DICT + " (optimizer state is keyed by parameter names)",
-    "FSDPModule": "spmd.parallel.is_fully_sharded(module) instead of isinstance(module, FSDPModule); fully_shard adds "
-    "unshard, reshard, set_requires_gradient_sync, ... to the module itself (its class is unchanged)",
-    "OffloadPolicy": "none yet: fully_shard keeps the shards on the module's device (CPU offloading is not yet in spmd)",
-    "CPUOffloadPolicy": "none yet: fully_shard keeps the shards on the module's device (CPU offloading is not yet in spmd)",
     "DataParallelMeshDims": "apply tensor parallelism first, then fully_shard(module, mesh=mesh['dp']): spmd shards the TP "
     "DTensors again over the data-parallel mesh dimension",
     "register_fsdp_forward_method": "call the module's forward (fully_shard hooks forward only); route other methods through forward",
     "share_comm_ctx": "no counterpart yet (a CUDA-stream sharing optimisation for several FSDP roots); leave the call out",
 }
 
-# FSDPModule, OffloadPolicy and CPUOffloadPolicy are being added to spmd.parallel.fsdp: found there, they are returned.
-__getattr__ = missing_names(__name__, MISSING, homes=("spmd.parallel.fsdp",))
+__getattr__ = missing_names(__name__, MISSING)

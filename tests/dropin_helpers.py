@@ -1,4 +1,4 @@
-"""Rank functions for test_dtensor_aliasing.py: views, in-place writes and kernels that conjugate inside."""
+"""Rank functions for test_dtensor_dropin.py: views, in-place writes, kernels that conjugate inside, factories."""
 
 from __future__ import annotations
 
@@ -65,4 +65,48 @@ def kernels_that_conjugate_inside() -> dict[str, float]:
         "lstsq_solution": float(
             (torch.linalg.solve(d, d.mH).full_tensor() - torch.linalg.solve(a, a.mH)).abs().max()
         ),
+    }
+
+
+def factories_and_distribute_module() -> dict[str, Any]:
+    """spmd.tensor's factories and distribute_module against torch's own in the same world."""
+    import torch.distributed.tensor as ttensor
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+
+    import spmd.tensor as stensor
+
+    mesh, tmesh = spmd.init_device_mesh("cpu", (2,)), torch_mesh("cpu", (2,))
+    same = {}
+    for name, args in (("zeros", (5, 3)), ("ones", ((4, 2),)), ("full", ((3, 4), 2.5))):
+        ours = getattr(stensor, name)(*args, device_mesh=mesh, placements=[Shard(0)])
+        theirs = getattr(ttensor, name)(*args, device_mesh=tmesh, placements=[ttensor.Shard(0)])
+        same[name] = (torch.equal(ours.full_tensor(), theirs.full_tensor()) and ours.to_local().shape == theirs.to_local().shape)
+    torch.manual_seed(spmd.get_rank())  # ranks seeded differently: the replicas must still agree
+    r = stensor.randn(4, 4, device_mesh=mesh, placements=[Replicate()])
+    gathered = [torch.empty(4, 4) for _ in range(2)]
+    spmd.all_gather(gathered, r.to_local())
+    torch.manual_seed(0)
+    sharded = stensor.rand(6, 2, device_mesh=mesh, placements=[Shard(0)], requires_grad=True)
+
+    def partition(name: str, module: torch.nn.Module, m: Any) -> None:
+        if isinstance(module, torch.nn.Linear) and name == "0":
+            module.weight = torch.nn.Parameter(spmd.distribute_tensor(module.weight, m, [Shard(0)]))
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    reference.load_state_dict(model.state_dict())
+    stensor.distribute_module(
+        model, mesh, partition,
+        input_fn=lambda mod, inputs, m: tuple(spmd.distribute_tensor(x, m, [Replicate()]) for x in inputs),
+        output_fn=lambda mod, out, m: out.full_tensor(),
+    )
+    x = torch.randn(3, 4)
+    return {
+        **same,
+        "rand_replicas_agree": bool(torch.equal(gathered[0], gathered[1])),
+        "rand_grad": sharded.requires_grad and sharded.placements == (Shard(0),),
+        "module_out": bool(torch.allclose(model(x), reference(x))),
+        "placements": [str(p.placements) for p in model.parameters()],
+        "twice": _error(lambda: stensor.distribute_module(model, mesh)),
     }

@@ -8,6 +8,7 @@ import torch
 
 import spmd
 from spmd import Replicate, Shard
+from spmd.tensor.visualize import sharding_table
 
 
 def _error(fn: Any) -> str:
@@ -109,4 +110,6 @@ def factories_and_distribute_module() -> dict[str, Any]:
         "module_out": bool(torch.allclose(model(x), reference(x))),
         "placements": [str(p.placements) for p in model.parameters()],
         "twice": _error(lambda: stensor.distribute_module(model, mesh)),
+        "table": sharding_table(spmd.distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)])),
+        "table_replicated": sharding_table(spmd.distribute_tensor(torch.zeros(3), mesh, [Replicate()])),
     }

@@ -29,3 +29,4 @@ def test_factories_and_distribute_module_as_torchs(spmd_world):
         assert r["module_out"], r
         assert r["placements"] == ["(Shard(dim=0),)"] + ["(Replicate(),)"] * 3, r
         assert r["twice"].startswith("RuntimeError: distribute_module was already called"), r
+        assert r["table"] == [("0:2, 0:4", [0]), ("2:4, 0:4", [1])] and r["table_replicated"] == [("0:3", [0, 1])]

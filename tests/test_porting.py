@@ -19,7 +19,8 @@ PAGE = ROOT / "docs" / "porting.md"
 TORCH_SCRIPT = ROOT / "examples" / "ports" / "tp_torch.py"
 #: The torch modules of the tensor half the page must cover (torch.distributed.<suffix> -> spmd.<suffix>).
 MODULES = [
-    "device_mesh", "tensor", "tensor.parallel", "tensor.experimental", "fsdp", "checkpoint",
+    "device_mesh", "tensor", "tensor.parallel", "tensor.experimental", "tensor.placement_types", "tensor.device_mesh",
+    "tensor.debug", "fsdp", "checkpoint",
     "checkpoint.state_dict", "checkpoint.stateful", "pipelining", "_tensor", "_tensor.device_mesh",
 ]
 

@@ -19,6 +19,10 @@ from typing import Any
 
 import torch
 
+from spmd.tensor.visualize import visualize_sharding
+
+__all__ = ["CommDebugMode", "Count", "visualize_sharding"]
+
 _active: list[CommDebugMode] = []
 #: The aten op being dispatched, set by the DTensor dispatcher while it runs (named only when recorded).
 current_op: list[Any] = []

@@ -292,9 +292,9 @@ def main() -> None:
     # the bar only on a terminal: in a log file its redraws are noise; the --log-every lines print either way
     bar = tqdm(total=args.steps, disable=not (leader and sys.stderr.isatty()), unit="step", dynamic_ncols=True)
     first_loss = last_loss = float("nan")
-    start = time.perf_counter()
     first_step = checkpointing.resume(args, model, optimizer, generator)
     bar.update(first_step)
+    start = time.perf_counter()  # after the resume: the rate is over the steps this run trains
     for step in range(first_step, args.steps):
         step_start = time.perf_counter()
         for group in optimizer.param_groups:
@@ -313,7 +313,7 @@ def main() -> None:
         optimizer.step()
         checkpointing.maybe_save(args, step, model, optimizer, generator)
         last_loss = as_plain(loss).item()  # this rank's loss on its own batch
-        if step == 0:
+        if step == first_step:
             first_loss = last_loss
         tokens_per_s = tokens_per_step / (time.perf_counter() - step_start)
         bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
@@ -343,9 +343,15 @@ def main() -> None:
     else:
         state = model.state_dict()
     if leader:
-        print(f"done: {args.steps} steps in {elapsed:.1f} s, {tokens_per_step * args.steps / elapsed:,.0f} tok/s; "
-              f"loss {first_loss:.3f} -> {last_loss:.3f} (uniform guess: {math.log(tokenizer.vocab_size):.3f}), "
-              f"validation loss {val_loss:.3f}")
+        ran = args.steps - first_step
+        if ran <= 0:
+            print(f"done: the run was already complete ({args.steps} steps, resumed at step {first_step}); nothing "
+                  f"to train; validation loss {val_loss:.3f}")
+        else:
+            span = f"steps {first_step}-{args.steps - 1} (resumed)" if first_step else f"{ran} steps"
+            print(f"done: {span} in {elapsed:.1f} s, {tokens_per_step * ran / elapsed:,.0f} tok/s; "
+                  f"loss {first_loss:.3f} -> {last_loss:.3f} (uniform guess: {math.log(tokenizer.vocab_size):.3f}), "
+                  f"validation loss {val_loss:.3f}")
         prompt = tokenizer.encode("The ")
         plain = CharGPT(cfg)
         plain.load_state_dict(state)  # generate on rank 0 alone: a sharded model would need every rank

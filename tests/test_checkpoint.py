@@ -204,8 +204,13 @@ def test_train_example_saves_every_k_steps_and_resumes_exactly(tmp_path):
     out = _train(tmp_path, "--steps", "8", "--save-every", "3", "--checkpoint-dir", ckpt, "--resume",
                  "--out", str(tmp_path / "resumed.pt"))
     assert f"resumed from {ckpt}/step-000006 at step 6" in out[0]
+    assert re.search(r"done: steps 6-7 \(resumed\) in [\d.]+ s, [\d,]+ tok/s; loss \d+\.\d+ -> \d+\.\d+", out[0]), out[0]
     resumed, straight = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "straight.pt")
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)  # model, optimizer and data order restored
+    again = _train(tmp_path, "--steps", "8", "--save-every", "3", "--checkpoint-dir", ckpt, "--resume",
+                   "--out", str(tmp_path / "again.pt"))
+    assert "done: the run was already complete (8 steps, resumed at step 8); nothing to train" in again[0], again[0]
+    assert "nan" not in again[0].split("done:")[1].split("validation")[0]
 
 
 def test_full_state_dict_gathers_and_loads_into_shards(spmd_world):

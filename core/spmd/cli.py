@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from spmd.errors import SpmdError
 from spmd.plugins import manager
 
 #: The hooks whose results ``spmd plugins`` lists, and how each is labelled.
@@ -174,6 +176,12 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     from spmd.checkpoint import CheckpointError, tools
 
     try:
+        if args.checkpoint_command in ("inspect", "consolidate") and os.path.isfile(args.path):
+            raise CheckpointError(
+                f"{args.path!r} is a file, not a checkpoint directory (spmd checkpoints are directories of "
+                f"metadata.json and safetensors files); a torch.save'd state dict converts with "
+                f"`spmd checkpoint import-torch {args.path} DIR`"
+            )
         if args.checkpoint_command == "inspect":
             meta, table = tools.inspect(args.path)
             print(json.dumps(json.loads(meta.to_json()), indent=1) if args.json else table)
@@ -284,7 +292,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # name the subcommand's usage, not the top level's
         (run if args.command == "run" else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except SpmdError as error:  # a known error is one line with what exists, not a traceback
+        print(f"spmd {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

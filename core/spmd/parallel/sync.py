@@ -7,10 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from spmd.comm.agreement import verify_agreement
 from spmd.comm.collectives import broadcast
 from spmd.comm.group import ProcessGroup
-from spmd.comm.objects import all_gather_object
-from spmd.errors import SpmdError
 
 #: Tensors are broadcast in flat chunks of at most this many bytes (torch DDP's default).
 BROADCAST_BUCKET_BYTES = 250 << 20
@@ -54,24 +53,10 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], group: ProcessGroup, li
                 tensor.copy_(synced)
 
 
-def verify_shapes(named: Sequence[tuple[str, torch.Tensor]], group: ProcessGroup) -> None:
-    """Raise on every rank, naming the first difference, unless all ranks hold the same parameters."""
-    if group.size == 1:
-        return
-    mine = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
-    everyone: list[object] = [None] * group.size
-    all_gather_object(everyone, mine, group=group)
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone):
-        if theirs == reference:
-            continue
-        assert isinstance(theirs, list) and isinstance(reference, list)
-        detail = f"rank 0 has {len(reference)} parameters, group rank {rank} has {len(theirs)}"
-        for ours_entry, their_entry in zip(reference, theirs):
-            if ours_entry != their_entry:
-                detail = f"rank 0 has {ours_entry}, group rank {rank} has {their_entry}"
-                break
-        raise SpmdError(
-            "DistributedDataParallel: the ranks wrap different models (parameter name, shape, "
-            f"dtype): {detail}. Build the same model on every rank before wrapping it"
-        )
+def verify_shapes(named: Sequence[tuple[str, torch.Tensor]], group: ProcessGroup, who: str = "DistributedDataParallel") -> None:
+    """Raise on every rank, naming the first difference, unless all ranks hold the same parameters in the same
+    order (``who`` names the strategy in the error). Ranks that disagree would otherwise exchange the wrong
+    bytes and train on garbage without an error."""
+    entries = [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
+    verify_agreement(entries, group, who, "wrap different models (parameter name, shape, dtype, order)",
+                     "Build the same model on every rank, registering parameters in the same order")

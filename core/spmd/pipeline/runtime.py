@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from spmd.comm.agreement import verify_agreement
 from spmd.comm.collectives import all_reduce
 from spmd.comm.p2p import irecv, isend, p2p_context
 from spmd.comm.reduce_op import ReduceOp
@@ -54,12 +55,20 @@ class Runtime:
         self.group = first.group
         self.num_stages = first.num_stages
         self.world = self.group.size
+        problem = None
         if any(s.group is not self.group or s.num_stages != self.num_stages for s in stage_list):
-            raise ValueError("pipeline schedule: every stage of one rank must have the same group and num_stages")
-        if self.num_stages != len(stage_list) * self.world:
-            raise ValueError(
-                f"pipeline schedule: {len(stage_list)} stage(s) on this rank x {self.world} ranks != {self.num_stages} stages"
-            )
+            problem = "pipeline schedule: every stage of one rank must have the same group and num_stages"
+        elif self.num_stages != len(stage_list) * self.world:
+            problem = f"pipeline schedule: {len(stage_list)} stage(s) on this rank x {self.world} ranks != {self.num_stages} stages"
+        # one schedule for the whole pipeline: a rank with another schedule, microbatch count or a set-up error of
+        # its own would leave its peers waiting in a send or receive until the timeout
+        verify_agreement(
+            [("schedule", getattr(cls, "name", cls.__name__)), ("stages", self.num_stages), ("stages per rank", len(stage_list)),
+             ("microbatches", n_microbatches), ("scale_grads", scale_grads), ("set-up error", problem)],
+            self.group, "pipeline schedule", "set up different pipelines", "Build the same schedule on every rank",
+        )
+        if problem is not None:
+            raise ValueError(problem)
         self.stages = {s.stage_index: s for s in stage_list}
         self.m = n_microbatches
         self.loss_fn = loss_fn

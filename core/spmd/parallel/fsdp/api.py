@@ -18,6 +18,7 @@ from spmd.parallel.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, Of
 from spmd.parallel.fsdp.root import UNIT_ATTR, FSDPRoot, unit_of
 from spmd.parallel.fsdp.state_dict import adopt_after_load, load_full_tensors_pre_hook
 from spmd.parallel.fsdp.unit import FSDPUnit
+from spmd.parallel.sync import verify_shapes
 
 
 def fully_shard(
@@ -106,6 +107,8 @@ def fully_shard(
     else:
         raise TypeError(f"fully_shard: reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
     named, owners = _managed_parameters(modules, ignored_params or set())
+    for group in mesh.get_all_groups():  # ranks that shard other parameters would all-gather garbage
+        verify_shapes(named, group, who="fully_shard")
     unit = FSDPUnit(modules, named, owners, mesh, reshard, mp_policy or MixedPrecisionPolicy(),
                     offload_to_cpu=isinstance(offload_policy, CPUOffloadPolicy))
     for m in modules:

@@ -20,8 +20,10 @@ from typing import Any
 
 from torch import nn
 
+from spmd.comm.agreement import verify_agreement
 from spmd.mesh import DeviceMesh
 from spmd.parallel.tp.style import ParallelStyle
+from spmd.tensor.placements import Placement
 
 STYLE_PREFIX = "tp."
 
@@ -45,15 +47,37 @@ def _matches(name: str, pattern: str) -> bool:
     return len(parts) == len(atoms) and all(fnmatch(p, a) for p, a in zip(parts, atoms))
 
 
+def _describe_style(style: Any) -> str:
+    """A style as comparable text: its class and settings (placements, dims, flags)."""
+    if isinstance(style, str):
+        return style
+    settings = sorted((k, repr(v) if isinstance(v, (Placement, int, float, str, bool, tuple, list, type(None)))
+                       else type(v).__name__) for k, v in vars(style).items())
+    return f"{type(style).__name__}{settings}"
+
+
+def _verify_plan(module: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> None:
+    """Every rank of the mesh applies the same plan to the same parameters, or every rank raises naming the
+    difference (a plan on one rank only gave wrong activations without an error)."""
+    entries: list[object] = [(pattern, _describe_style(style)) for pattern, style in plan.items()]
+    entries += [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
+    for group in mesh.get_all_groups():
+        verify_agreement(entries, group, "parallelize_module",
+                         "apply different plans or hold different parameters (plan entries, then parameters)",
+                         "Apply the same plan to the same model on every rank")
+
+
 def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_plan: Any = None) -> nn.Module:
     """Apply ``parallelize_plan`` (one style for ``module`` itself, or a dict from module names to styles)."""
     if parallelize_plan is None:
         return module
     if isinstance(parallelize_plan, (ParallelStyle, str)) or hasattr(parallelize_plan, "apply"):
+        _verify_plan(module, device_mesh, {"": parallelize_plan})
         return resolve_style(parallelize_plan).apply(module, device_mesh)
     if not isinstance(parallelize_plan, dict):
         raise TypeError(f"parallelize_module: the plan must be a style or a dict of module names to styles, got {type(parallelize_plan).__name__}")
     named = dict(module.named_modules())
+    _verify_plan(module, device_mesh, parallelize_plan)
     for pattern, style in parallelize_plan.items():
         found = [name for name in named if name and _matches(name, pattern)]
         if not found:

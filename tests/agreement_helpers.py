@@ -52,3 +52,31 @@ def disagreeing_set_ups() -> dict[str, str]:
         "pipeline": _error(lambda: get_schedule("1f1b")(stage, 4 if one else 2, loss_fn=F.mse_loss)),
         "pipeline_schedule": _error(lambda: get_schedule("gpipe" if one else "1f1b")(stage, 2, loss_fn=F.mse_loss)),
     }
+
+
+class Flaky(nn.Module):
+    """A stage whose forward raises on the rank named, at the microbatch named."""
+
+    def __init__(self, fail_on_rank: int, microbatch: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fail = spmd.get_rank() == fail_on_rank
+        self.microbatch, self.calls = microbatch, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.fail and self.calls > self.microbatch:
+            raise ValueError("bad batch in the stage's forward")
+        return self.lin(x)
+
+
+def a_stage_raises(fail_on_rank: int) -> str:
+    """A 1F1B step in which one rank's stage raises: every other rank must raise soon, naming it."""
+    g = spmd.new_group(list(range(spmd.get_world_size())))
+    torch.manual_seed(0)
+    stage = PipelineStage(Flaky(fail_on_rank, 1), g.rank, g.size, "cpu", group=g, input_args=torch.zeros(2, 4))
+    schedule = get_schedule("1f1b")(stage, 4, loss_fn=F.mse_loss)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    args = (x,) if g.rank == 0 else ()
+    kwargs = {"target": y} if g.rank == g.size - 1 else {}
+    return _error(lambda: schedule.step(*args, **kwargs))

@@ -20,3 +20,14 @@ def test_a_rank_set_up_differently_is_refused_on_every_rank(spmd_world, backend)
         assert r["tp_plan"].startswith("SpmdError: parallelize_module:") and "RowwiseParallel" in r["tp_plan"]
         assert r["pipeline"].startswith("SpmdError: pipeline schedule:") and "('microbatches', 2)" in r["pipeline"]
         assert "('schedule', '1f1b')" in r["pipeline_schedule"] and "gpipe" in r["pipeline_schedule"]
+
+
+@pytest.mark.parametrize(("world", "fail_on_rank"), [(2, 1), (4, 2)])
+def test_a_stage_that_raises_makes_every_rank_raise_within_seconds(spmd_world, world, fail_on_rank):
+    results = spmd_world(world, "gloo").run(h.a_stage_raises, fail_on_rank, timeout=120)
+    assert results[fail_on_rank].startswith("ValueError: bad batch in the stage's forward"), results
+    for rank, r in enumerate(results):
+        seconds = float(r.rsplit("[", 1)[1].split(" s]")[0])
+        assert seconds < 5.0, (rank, r)  # not the collective timeout (30 s here)
+        if rank != fail_on_rank:
+            assert f"group rank {fail_on_rank} raised in pipeline step" in r and "bad batch" in r, (rank, r)

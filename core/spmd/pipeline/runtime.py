@@ -333,6 +333,12 @@ class Runtime:
                 i += 1
             for work in self.sends:
                 work.wait()
+        except Exception as error:
+            if self.group.unusable is None:  # this rank's own failure: its peers would wait for it to the timeout
+                where = f"{program[i]}" if i < len(program) else "the final sends"
+                self.group.mark_unusable(f"group rank {self.group.rank} raised in pipeline step at {where}: "
+                                         f"{type(error).__name__}: {error}")
+            raise
         finally:
             self.sends = []
             self.inputs_mb = []

@@ -51,9 +51,9 @@ TORCH_EXIT_ABORT = "terminate called without an active exception"
 
 
 def launch(
-    script: Path, how: str, args: list[str], launcher: list[str], reference: bool = False
+    script: Path, how: str, args: list[str], launcher: list[str], reference: bool = False, nproc: int = 2
 ) -> tuple[list[dict], str]:
-    """Run a port on 2 ranks and return each rank's RESULT row. The spmd side must exit 0; the torch reference
+    """Run a port on ``nproc`` ranks and return each rank's RESULT row. The spmd side must exit 0; the torch reference
     (``reference``) may instead abort at exit in torch's own teardown once every rank has printed its row."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
@@ -62,12 +62,12 @@ def launch(
         env["MASTER_PORT"] = port  # the tutorials set MASTER_PORT only if the environment has none
         cmd = [sys.executable, str(script), *args]
     else:
-        cmd = [*launcher, "--nproc-per-node", "2", "--master-port", port, str(script), *args]
+        cmd = [*launcher, "--nproc-per-node", str(nproc), "--master-port", port, str(script), *args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     rows = result_rows(out.stdout)
-    aborted_at_exit = reference and len(rows) == 2 and TORCH_EXIT_ABORT in out.stdout + out.stderr
+    aborted_at_exit = reference and len(rows) == nproc and TORCH_EXIT_ABORT in out.stdout + out.stderr
     assert out.returncode == 0 or aborted_at_exit, out.stdout + out.stderr
-    assert len(rows) == 2, out.stdout
+    assert len(rows) == nproc, out.stdout
     return sorted(rows, key=lambda r: r["rank"]), out.stdout + out.stderr
 
 

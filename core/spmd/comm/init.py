@@ -21,10 +21,12 @@ from spmd.comm.registry import backends, parse_backend_string
 from spmd.comm.store_join import await_arrivals, check_resolvable, client_store, host_store
 from spmd.comm.tcp_store import job_scope
 from spmd.debug.watchdog import world_baseline
-from spmd.errors import BackendUnavailableError, SpmdError
+from spmd.errors import BackendUnavailableError, CollectiveDesyncError, SpmdError
 
 log = logging.getLogger("spmd")
 
+#: Seconds ``destroy_process_group`` waits for the neighbours' last calls to compare them with this rank's.
+FINAL_CHECK_S = 3.0
 #: Default for every blocking call; override with init(timeout=...) or SPMD_TIMEOUT (seconds).
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -245,11 +247,16 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         from spmd import interop
         from spmd.debug import watchdog
 
+        dog = watchdog.current()
+        # the mismatch check looks once more: calls made since its last step would otherwise go unchecked
+        disagreement = dog.final_check(FINAL_CHECK_S) if dog is not None else None
         interop.detach()
         watchdog.stop()
         for g in list(current.groups.values()):
             g.close()
         state.set_state(None)
+        if disagreement is not None:
+            raise CollectiveDesyncError(f"destroy_process_group: {disagreement}")
         return
     group.close()
     current.groups.pop(group.name, None)

@@ -62,6 +62,11 @@ class HistoryCheck:
             if theirs:
                 self._compare(group, neighbour, mine, theirs)
 
+    def unchecked(self, group: Any) -> bool:
+        """Whether this rank made calls on ``group`` that were not yet compared with the neighbour's."""
+        calls = self.calls.get(group.uid)
+        return calls is not None and bool(calls) and calls[-1][0] > self.checked.get(group.uid, -1)
+
     def _record(self, group: Any) -> collections.deque[tuple[int, str]] | None:
         """This rank's newest calls on ``group``, updated and published; None if it made none yet."""
         calls = self.calls.get(group.uid)

@@ -98,6 +98,28 @@ class Watchdog:
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(wait_s)
 
+    def final_check(self, limit_s: float) -> str | None:
+        """At shutdown: stop the thread, publish and compare every call not yet compared, waiting (at most
+        ``limit_s``) for the neighbours' last calls; the reason of a disagreement found, or None. A job whose
+        mismatched call came within the last check interval would otherwise exit 0."""
+        self.stop()
+        if not recorder.keep_history or self.store_lost is not None:
+            return None
+        groups = [g for g in self._groups() if g.size > 1 and g.unusable is None]
+        deadline = time.monotonic() + limit_s
+        while groups:
+            try:
+                self.history.step(groups)
+            except Exception:  # noqa: BLE001 - the store is gone (a peer that hosted it exited): nothing to compare
+                return None
+            for group in groups:
+                if group.unusable is not None:
+                    return group.unusable
+            if not any(self.history.unchecked(g) for g in groups) or time.monotonic() >= deadline:
+                return None
+            time.sleep(FINAL_CHECK_POLL_S)
+        return None
+
     def _loop(self) -> None:
         step = min(self.interval, DEADLINE_STEP)
         next_publish = time.monotonic() + self.interval
@@ -304,6 +326,10 @@ def start(store: tdist.Store, rank: int, store_host: str | None = None, baseline
     _watchdog = Watchdog(store, rank, store_host=store_host)
     _watchdog.start(baseline)
     return _watchdog
+
+
+#: How often the shutdown check reads the neighbours' histories while it waits for their last calls.
+FINAL_CHECK_POLL_S = 0.05
 
 
 def stop() -> None:

@@ -1,0 +1,42 @@
+"""Rank functions for test_first_call_agreement.py: a group's first call of a kind, different on one rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import spmd
+
+
+def _outcome(fn: Callable[..., object], *args: object) -> str:
+    try:
+        return f"no error: {fn(*args)}"
+    except Exception as error:  # noqa: BLE001 - the error is the outcome
+        return f"{type(error).__name__}: {' | '.join(str(error).splitlines())}"
+
+
+def first_calls_that_disagree() -> dict[str, str]:
+    """Each case on a new group (a disagreement leaves its group unusable), then a matching all_reduce on it."""
+    one = spmd.get_rank() == 1
+    cases = {
+        "float64": lambda g: spmd.all_reduce(t := torch.ones(4, dtype=torch.float64 if one else torch.float32), group=g) or t.tolist(),
+        "int32": lambda g: spmd.all_reduce(t := torch.ones(4, dtype=torch.int32 if one else torch.float32), group=g) or t.tolist(),
+        "max": lambda g: spmd.all_reduce(t := torch.arange(4.0), op=spmd.ReduceOp.MAX if one else spmd.ReduceOp.SUM, group=g)
+        or t.tolist(),
+        "root": lambda g: spmd.broadcast(t := torch.full((4,), float(spmd.get_rank())), src=1 if one else 0, group=g) or t.tolist(),
+        "splits": lambda g: _all_to_all(g, [1, 3] if one else [2, 2]),
+    }
+    out = {}
+    for name, call in cases.items():
+        g = spmd.new_group([0, 1])
+        out[name] = _outcome(call, g)
+        out[name + "_next"] = _outcome(spmd.all_reduce, torch.ones(2), spmd.ReduceOp.SUM, g)
+    out["agreed"] = _outcome(lambda: spmd.all_reduce(t := torch.ones(3)) or t.tolist())
+    return out
+
+
+def _all_to_all(group: object, splits: list[int]) -> list[float]:
+    out = torch.zeros(4)
+    spmd.all_to_all_single(out, torch.arange(4.0), input_split_sizes=splits, output_split_sizes=[2, 2], group=group)
+    return out.tolist()

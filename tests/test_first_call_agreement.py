@@ -1,0 +1,45 @@
+"""A group's first call of a kind that differs on one rank (dtype, reduce op, root, splits) is a named error on
+every rank and every backend before any rank gets a result: on MPI, UCC and an isend/irecv-only plugin it returned
+garbage and the job exited 0, because the always-on check compares histories only every 0.2 s."""
+
+from __future__ import annotations
+
+import first_call_helpers as h
+import pytest
+from test_collective_errors import _run_and_discard
+
+
+@pytest.mark.parametrize("backend", ["gloo", "p2p", "ucc", "mpi"])
+def test_a_first_call_that_disagrees_is_named_on_every_rank(spmd_world, backend):
+    for rank, r in enumerate(_run_and_discard(spmd_world, backend, h.first_calls_that_disagree, timeout=180)):
+        for case in ("float64", "int32", "max", "root", "splits"):
+            assert r[case].startswith("CollectiveDesyncError"), (backend, rank, case, r[case])
+            assert r[case + "_next"].startswith("CollectiveError") and "cannot be used" in r[case + "_next"], (rank, case, r)
+        assert "float32; 4) SUM" in r["float64"] and "float64; 4) SUM" in r["float64"], r["float64"]
+        assert "MAX" in r["max"] and "root=1" in r["root"], r
+        assert r["agreed"] == "no error: [2.0, 2.0, 2.0]", r
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ucc"])
+def test_a_job_whose_last_call_disagrees_never_exits_0(backend):
+    """The always-on check compares every 0.2 s; a mismatch in a job's last step was found after it had exited 0.
+    destroy_process_group compares what is left (waiting a bounded time for the neighbours' last calls)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from spmd.testing.ports import free_port
+
+    if backend == "ucc":
+        pytest.importorskip("spmd_ucc")
+    script = Path(__file__).parent / "fault_scripts" / "last_call_mismatch.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
+    procs = [subprocess.Popen([sys.executable, str(script), backend], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], outputs
+    for out, err in outputs:
+        assert "clean exit" not in out
+        assert "CollectiveDesyncError: destroy_process_group:" in err and "all_reduce(float32; 4) MAX" in err, err[-2000:]

@@ -118,6 +118,11 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
+#: torch's private name for it (``torch.distributed.checkpoint.state_dict._init_optim_state``), which
+#: pytorch/examples' FSDP2 checkpoint.py imports to fill a sharded optimizer state by hand.
+_init_optim_state = init_optimizer_state
+
+
 def _rank0_only(options: StateDictOptions) -> bool:
     """torch's rule: a full state dict offloaded to CPU is kept on rank 0 only (gathered on every rank first)."""
     from spmd.comm.init import get_rank

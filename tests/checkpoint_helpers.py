@@ -370,3 +370,32 @@ def save_then_die(good: str, bad: str) -> None:
     use_test_storage()
     dcp.save({"x": torch.arange(8.0), "y": torch.arange(8.0), "step": 1}, checkpoint_id=good)
     dcp.save({"x": torch.zeros(8), "y": torch.zeros(8), "step": 2}, checkpoint_id=bad)
+
+
+def set_model_state_dict_into_meta_fully_shard() -> dict:
+    """pytorch/examples' FSDP2 resume: fully_shard on the meta device, then set_model_state_dict with a full
+    state dict (broadcast_from_rank0, and every rank holding it), without to_empty. copy_ into a meta tensor
+    does nothing, so the values used to be dropped silently; now they replace the meta tensors, as in torch."""
+    from spmd.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from spmd.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    full = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    out: dict[str, Any] = {}
+    for how in ("broadcast_from_rank0", "full_state_dict"):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+        fully_shard(model[0])
+        fully_shard(model)
+        rank0 = how == "broadcast_from_rank0"
+        given = full if not rank0 or spmd.get_rank() == 0 else {}
+        set_model_state_dict(model, given, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=rank0))
+        params = dict(model.named_parameters())
+        x = torch.ones(3, 4)
+        out[how] = {
+            "meta": any(p.to_local().is_meta for p in params.values()),
+            "same_values": all(torch.equal(params[k].full_tensor(), v) for k, v in full.items()),
+            "forward": torch.allclose(model(x), reference(x)),
+        }
+    return out

@@ -383,3 +383,9 @@ def test_a_rank_killed_mid_run_restarts_and_resumes_from_the_last_checkpoint(tmp
     assert sorted(after) == list(range(start, 60)) and all(after[s] == expected[s] for s in after)
     resumed, uninterrupted = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "straight.pt")
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
+
+
+def test_set_model_state_dict_into_a_meta_fully_shard_model(spmd_world):
+    for row in spmd_world(2, "gloo").run(h.set_model_state_dict_into_meta_fully_shard, timeout=120):
+        for how in ("broadcast_from_rank0", "full_state_dict"):
+            assert row[how] == {"meta": False, "same_values": True, "forward": True}, (how, row)

@@ -96,3 +96,12 @@ def test_a_world_torch_started_without_a_timeout_takes_spmds_default():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPMD_WATCHDOG": "0", "SPMD_TIMEOUT": "42"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "42.0", out.stdout + out.stderr
+
+
+def test_fully_shard_joins_the_world_torch_distributed_made():
+    """Only torch.distributed.init_process_group was called: fully_shard used to raise NotInitializedError."""
+    rows = run("fully_shard_joins.py")
+    for row in rows:
+        assert row["spmd"] == row["torch"] and row["torch"][1] == 2 and row["local_rows"] == 2
+    assert sorted(r["spmd"][0] for r in rows) == [0, 1]
+    assert rows[0]["grad_sum"] == rows[1]["grad_sum"]

@@ -219,3 +219,28 @@ def test_pipelining_says_what_is_not_yet():
         pp.ScheduleGPipe(object(), 2, args_chunk_spec=(None,))  # type: ignore[arg-type]
     with pytest.raises(NotYetInSpmdError, match="a stage with 2 inputs"):
         pp.PipelineStage(torch.nn.Linear(2, 2), 0, 1, "cpu", input_args=(torch.zeros(1), torch.zeros(1)))
+
+
+def test_torchs_private_init_optim_state_imports_from_the_spmd_path_and_does_what_torchs_does():
+    """pytorch/examples' FSDP2 checkpoint.py imports ``_init_optim_state`` from torch's state_dict module:
+    after the import line is ported it must exist there, and create the same optimizer state as torch's."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import _init_optim_state as torch_init
+
+    from spmd.checkpoint.state_dict import _init_optim_state
+
+    states = []
+    for init in (_init_optim_state, torch_init):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        init(opt)
+        assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # a step with lr 0
+        assert all(p.grad is None for p in model.parameters()) and opt.param_groups[0]["lr"] == 0.1
+        states.append(opt.state_dict()["state"])
+    ours, theirs = states
+    assert ours.keys() == theirs.keys() == {0, 1}
+    for k in ours:
+        assert ours[k].keys() == theirs[k].keys()
+        assert all(torch.equal(ours[k][a], theirs[k][a]) for a in ours[k])

@@ -118,6 +118,11 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
+#: torch's private name for it (``torch.distributed.checkpoint.state_dict._init_optim_state``), which
+#: pytorch/examples' FSDP2 checkpoint.py imports to fill a sharded optimizer state by hand.
+_init_optim_state = init_optimizer_state
+
+
 def _rank0_only(options: StateDictOptions) -> bool:
     """torch's rule: a full state dict offloaded to CPU is kept on rank 0 only (gathered on every rank first)."""
     from spmd.comm.init import get_rank
@@ -290,26 +295,91 @@ def _broadcast_tensor(value: Any, shape: tuple[int, ...], dtype: torch.dtype, de
 
 
 def _global_meta(target: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    """The global shape, dtype and the device the target's values live on (for a meta target, where
+    ``to_empty`` would put them: the mesh's device type, else the world's default device, as torch's)."""
     from spmd.tensor.dtensor import DTensor
 
     device = target._local_tensor.device if isinstance(target, DTensor) else target.device
+    if device.type == "meta":
+        device = torch.device(target._spec.mesh.device_type) if isinstance(target, DTensor) else _default_device()
     return tuple(target.shape), target.dtype, device
 
 
-def _set_model_from_rank0(own: Mapping[str, Any], model_state_dict: Mapping[str, Any], options: StateDictOptions) -> None:
-    """``broadcast_from_rank0``: every tensor of rank 0's full state dict, one at a time, to every rank's shards."""
+def _default_device() -> torch.device:
+    """The device torch's ``_get_pg_default_device`` would name: the accelerator if the world has a backend
+    for it, else the CPU."""
+    from spmd.comm.state import is_initialized, resolve_group
+
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is not None and is_initialized():
+        backends = resolve_group(None).backend_map
+        if backends is None or accelerator.type in backends:
+            return torch.device(accelerator.type)
+    return torch.device("cpu")
+
+
+def _is_meta(target: Any) -> bool:
+    from spmd.tensor.dtensor import DTensor
+
+    if isinstance(target, DTensor):
+        return target._local_tensor.is_meta
+    return isinstance(target, torch.Tensor) and target.is_meta
+
+
+def _materialised(target: torch.Tensor, value: Any, what: str) -> torch.Tensor:
+    """``value`` as a new tensor shaped like the meta ``target``: a DTensor with this rank's piece under the
+    target's placements, or a plain tensor, on the device ``_global_meta`` names."""
+    from spmd.tensor.dtensor import DTensor
+    from spmd.tensor.spec import holds_zero_summand, local_piece
+
+    shape, dtype, device = _global_meta(target)
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    value = torch.as_tensor(value).detach()
+    if tuple(value.shape) != shape:
+        raise CheckpointError(f"{what} has shape {list(value.shape)} but the tensor it should fill has shape {list(shape)}; "
+                              "load a state dict of the same model (resharding changes placements, not shapes)")
+    value = value.to(device=device, dtype=dtype)
+    if not isinstance(target, DTensor):
+        return value.clone()
+    spec = target._spec
+    coordinate = spec.mesh.get_coordinate()
+    piece = local_piece(value, spec) if value.ndim else value
+    if coordinate is not None and holds_zero_summand(spec, coordinate):
+        piece = torch.zeros_like(piece)
+    return DTensor(piece.clone().contiguous(), spec)
+
+
+def _assign_meta(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Meta targets (a model built under ``torch.device("meta")``, not yet ``to_empty``): ``copy_`` into them
+    would do nothing, so the new tensors replace them (``load_state_dict(assign=True)``, as torch's
+    ``set_model_state_dict`` does; fully_shard's units adopt them)."""
+    if values:
+        model.load_state_dict(dict(values), strict=False, assign=True)
+
+
+def _set_model_from_rank0(
+    own: Mapping[str, Any], model_state_dict: Mapping[str, Any], options: StateDictOptions
+) -> dict[str, torch.Tensor]:
+    """``broadcast_from_rank0``: every tensor of rank 0's full state dict, one at a time, to every rank's shards;
+    returns the new tensors for meta targets (to be assigned)."""
     keys = _broadcast_keys(model_state_dict, "set_model_state_dict")
     missing = sorted(set(own) - set(keys))
     unexpected = sorted(set(keys) - set(own))
     if options.strict and (missing or unexpected):
         raise CheckpointError(f"set_state_dict: rank 0's model state dict lacks {missing[:8]} and has unknown keys {unexpected[:8]}")
+    meta: dict[str, torch.Tensor] = {}
     for key in keys:
         target = own.get(key)
         if not isinstance(target, torch.Tensor):
             continue
         shape, dtype, device = _global_meta(target)
         full = _broadcast_tensor(model_state_dict.get(key), shape, dtype, device)
-        assign(target, full, f"model_state_dict[{key!r}]")
+        if _is_meta(target):
+            meta[key] = _materialised(target, full, f"model_state_dict[{key!r}]")
+        else:
+            assign(target, full, f"model_state_dict[{key!r}]")
+    return meta
 
 
 def _optimizer_state_from_rank0(optim_state_dict: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
@@ -350,15 +420,20 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Mapping[str, Any], 
     options = options or StateDictOptions()
     own = unwrap(model).state_dict(keep_vars=True)
     if options.broadcast_from_rank0:
-        _set_model_from_rank0(own, model_state_dict, options)
+        _assign_meta(unwrap(model), _set_model_from_rank0(own, model_state_dict, options))
         return
     missing = sorted(set(own) - set(model_state_dict))
     unexpected = sorted(set(model_state_dict) - set(own))
     if options.strict and (missing or unexpected):
         raise CheckpointError(f"set_state_dict: the model state dict lacks {missing[:8]} and has unknown keys {unexpected[:8]}")
+    meta: dict[str, torch.Tensor] = {}
     for key, value in model_state_dict.items():
         if key in own and isinstance(own[key], torch.Tensor):
-            assign(own[key], value, f"model_state_dict[{key!r}]")
+            if _is_meta(own[key]):
+                meta[key] = _materialised(own[key], value, f"model_state_dict[{key!r}]")
+            else:
+                assign(own[key], value, f"model_state_dict[{key!r}]")
+    _assign_meta(unwrap(model), meta)
 
 
 def set_optimizer_state_dict(

@@ -107,11 +107,16 @@ class Watchdog:
             return None
         groups = [g for g in self._groups() if g.size > 1 and g.unusable is None]
         deadline = time.monotonic() + limit_s
+        try:
+            found = self._compare_rest(groups, deadline)
+            self._leave_together(deadline)
+        except Exception:  # noqa: BLE001 - the store is gone (a peer that hosted it exited): nothing to compare
+            return None
+        return found
+
+    def _compare_rest(self, groups: list[Any], deadline: float) -> str | None:
         while groups:
-            try:
-                self.history.step(groups)
-            except Exception:  # noqa: BLE001 - the store is gone (a peer that hosted it exited): nothing to compare
-                return None
+            self.history.step(groups)
             for group in groups:
                 if group.unusable is not None:
                     return group.unusable
@@ -119,6 +124,33 @@ class Watchdog:
                 return None
             time.sleep(FINAL_CHECK_POLL_S)
         return None
+
+    def _leave_together(self, deadline: float) -> None:
+        """Wait (until ``deadline``) for every rank of the world to finish its shutdown check, then let rank 0,
+        which usually hosts the store, leave last: a host that left first would break the others' last reads.
+        (The keys carry the world group's uid, new for each world a process makes on one store.)"""
+        from spmd.comm import state  # the debug package sits below comm
+
+        current = state._state
+        if current is None or current.world.size < 2:
+            return
+        size = current.world.size
+        arrived, left = (f"{FINAL_CHECK_KEY}/{current.world.uid}/{phase}" for phase in ("arrived", "left"))
+        self._wait_for_count(arrived, size, deadline, add=1)
+        if self.rank != 0:
+            with self.lock:
+                self.client.add(left, 1)  # this rank's last read is done
+            return
+        self._wait_for_count(left, size - 1, deadline, add=0)
+
+    def _wait_for_count(self, key: str, count: int, deadline: float, add: int) -> None:
+        """Add ``add`` to the counter ``key``, then wait until it reaches ``count`` (or ``deadline``)."""
+        with self.lock:
+            done = int(self.client.add(key, add))
+        while done < count and time.monotonic() < deadline:
+            time.sleep(FINAL_CHECK_POLL_S)
+            with self.lock:
+                done = int(self.client.add(key, 0))
 
     def _loop(self) -> None:
         step = min(self.interval, DEADLINE_STEP)
@@ -330,6 +362,8 @@ def start(store: tdist.Store, rank: int, store_host: str | None = None, baseline
 
 #: How often the shutdown check reads the neighbours' histories while it waits for their last calls.
 FINAL_CHECK_POLL_S = 0.05
+#: Where the ranks count themselves done with the shutdown check (per world).
+FINAL_CHECK_KEY = "spmd/debug/final"
 
 
 def stop() -> None:

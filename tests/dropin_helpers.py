@@ -5,18 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from dtensor_helpers import _error  # (one error-as-text helper for the DTensor tests)
 
 import spmd
 from spmd import Replicate, Shard
 from spmd.tensor.visualize import sharding_table
-
-
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - the error is the result
-        return f"{type(error).__name__}: {error}"
-    return "no error"
 
 
 def views_and_writes() -> dict[str, Any]:

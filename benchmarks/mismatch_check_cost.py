@@ -45,7 +45,7 @@ def worker(backend: str) -> None:
     a, b = torch.randn(128, 128), torch.randn(128, 128)
     spmd.barrier()
     world_backend = get_state().world.backend("cpu")
-    sized = world_backend.checks_new_calls  # (off: the shape lookup is skipped too, for the measurement)
+    sized = world_backend.aborts_on_size_mismatch  # (off: the shape lookup is skipped too, for the measurement)
     rows = []
     for nbytes, calls in SIZES:
         t = torch.ones(nbytes // 4)
@@ -57,13 +57,13 @@ def worker(backend: str) -> None:
             state = ORDERS[cycle % len(ORDERS)][slot]  # every order in turn: each state precedes each other one equally often
             on = state == "on"
             recorder.keep_history = on
-            world_backend.checks_new_calls = on and sized
+            world_backend.aborts_on_size_mismatch = on and sized
             torch.mm(a, b)
             start = time.perf_counter()
             spmd.all_reduce(t)
             times[state].append(time.perf_counter() - start)
         recorder.keep_history = True
-        world_backend.checks_new_calls = sized
+        world_backend.aborts_on_size_mismatch = sized
         medians = {state: statistics.median(values) for state, values in times.items()}
         # neighbours in time: slow drift cancels
         paired = {state: statistics.median(x / off for x, off in zip(times[state], times["off"])) for state in ("on", "control")}

@@ -307,7 +307,8 @@ SILENT += [(b, "splits") for b in ("mpi", "ucc")]  # (Gloo and p2p: refused befo
 SILENT += [(b, k) for b in ("mpi", "ucc") for k in ("gather", "rows")]  # (Gloo and p2p: as above)
 SIGNATURES = {
     **SHAPE_SIGNATURES,
-    "splits": ("all_to_all_single(float32,float32) splits 2,1/2,2", "all_to_all_single(float32,float32) splits 2,2/2,2"),
+    "splits": ("all_to_all_single(float32,float32) splits 2,1/2,2", "all_to_all_single(float32,float32) splits 2,2/2,2",
+               "all_to_all_single splits disagree: rank 0 sends 1 rows to rank 1, which expects 2 from it"),
     "reduce_op": ("all_reduce(float32; 4) SUM", "all_reduce(float32; 4) MAX"),
     "dtype": ("all_reduce(float32; 4) SUM", "all_reduce(int32; 4) SUM"),
     "count": ("all_reduce(float32; 4) SUM", "all_reduce(float32; 1000) SUM"),
@@ -318,10 +319,9 @@ SIGNATURES = {
 @pytest.mark.parametrize(("backend", "kind"), SILENT, ids=[f"{b}-{k}" for b, k in SILENT])
 def test_a_mismatch_the_backend_completes_is_named_on_every_rank(spmd_world, backend, kind):
     """SUM against MAX, float32 against int32 (and on UCC 4 elements against 1000; on MPI and UCC float32
-    against float64) would complete, or fail on one rank only, in the backend: as a group's first call of that
-    shape, every backend now has it compared across the ranks before the op (test_first_call_agreement.py),
-    and every rank's later op on the group raises, naming both calls: at once, or, for a rank already
-    waiting in an op the other rank then refuses, at that op's timeout (the group's 5 s here)."""
+    against float64) complete, or fail on one rank only, in the backend; the always-on check (desync mode off) finds the two calls differ, and every
+    rank's next op on the group raises, naming both: at once, or, for a rank already waiting in an op
+    the other rank then refuses, at that op's timeout (the group's 5 s here)."""
     results = _run_and_discard(spmd_world, backend, helpers.silently_mismatched, kind, timeout=120)
     for r in results:
         error = r["later"][-1] if r["later"] else r["first"]

@@ -202,11 +202,6 @@ class Backend(abc.ABC):
     #: mismatch is a named error on every rank instead of a signal. all_to_all_single with explicit
     #: splits is compared at every call: one rank may change its splits while the others' stay.
     aborts_on_size_mismatch: bool = False
-    #: Whether the kernel compares each call shape new to a group (op, shape, dtype, reduce op, root, splits)
-    #: across its ranks before the op, one store round trip per shape: on every backend, a first call that
-    #: disagrees (float32 against float64, SUM against MAX) is then a named error on every rank, where MPI,
-    #: UCC or a plugin's isend/irecv would return garbage. Repeated shapes cost one set lookup.
-    checks_new_calls: bool = True
 
     def __init__(self, ctx: BackendContext) -> None:
         self.ctx = ctx

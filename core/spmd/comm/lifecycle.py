@@ -65,9 +65,8 @@ def begin_sized(
     async_op: bool,
     splits_given: bool = False,
 ) -> Call | Work:
-    """``begin`` for an op whose ranks' buffers must match in size: a call shape new to the group is first
-    compared across its ranks (``Backend.checks_new_calls``; Gloo, which aborts on a size mismatch, needs it
-    most, and on the other backends a first call that disagrees would return garbage).
+    """``begin`` for an op whose ranks' buffers must match in size: on a backend that aborts on a
+    mismatch, a call shape new to the group is first compared across its ranks.
 
     ``splits_given``: all_to_all_single's split sizes came from the caller, not
     from its tensors' shapes. One rank may then change its own rows while the
@@ -77,10 +76,9 @@ def begin_sized(
     Returns what ``complete`` needs, or, for an async op whose cross-rank check
     ran out of time, the failed Work to hand the caller instead of submitting.
     """
-    if backend.checks_new_calls and group.size > 1 and not desync.on:
-        if len(tensors) == 1:  # (numel, not shape: a C call and an int hash, 0.1 us less per op on MPI's 8 us)
-            t = tensors[0]
-            shape: tuple = (op, t.numel(), t.dtype, reduce_op, root)
+    if backend.aborts_on_size_mismatch and group.size > 1 and not desync.on:
+        if len(tensors) == 1:
+            shape: tuple = (op, tensors[0].shape, tensors[0].dtype, reduce_op, root)
         else:
             shape = (op, tuple((t.shape, t.dtype) for t in tensors), reduce_op, root, splits and tuple(map(tuple, splits)))
         if shape not in group.agreed_calls:

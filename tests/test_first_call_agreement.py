@@ -21,8 +21,8 @@ def test_a_first_call_that_disagrees_is_named_on_every_rank(spmd_world, backend)
         assert r["agreed"] == "no error: [2.0, 2.0, 2.0]", r
 
 
-@pytest.mark.parametrize("backend", ["gloo", "ucc"])
-def test_a_job_whose_last_call_disagrees_never_exits_0(backend):
+@pytest.mark.parametrize(("backend", "kind"), [("gloo", "op"), ("ucc", "op"), ("ucc", "dtype")])
+def test_a_job_whose_last_call_disagrees_never_exits_0(backend, kind):
     """The always-on check compares every 0.2 s; a mismatch in a job's last step was found after it had exited 0.
     destroy_process_group compares what is left (waiting a bounded time for the neighbours' last calls)."""
     import os
@@ -37,10 +37,11 @@ def test_a_job_whose_last_call_disagrees_never_exits_0(backend):
     script = Path(__file__).parent / "fault_scripts" / "last_call_mismatch.py"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
-    procs = [subprocess.Popen([sys.executable, str(script), backend], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+    procs = [subprocess.Popen([sys.executable, str(script), backend, kind], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [1, 1], outputs
     for out, err in outputs:
         assert "clean exit" not in out
-        assert "CollectiveDesyncError: destroy_process_group:" in err and "all_reduce(float32; 4) MAX" in err, err[-2000:]
+        assert "CollectiveDesyncError" in err, err[-2000:]
+        assert ("all_reduce(float32; 4) MAX" if kind == "op" else "all_reduce(int32; 4) SUM") in err, err[-2000:]

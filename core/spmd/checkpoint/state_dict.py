@@ -16,7 +16,9 @@ from typing import Any, Union
 import torch
 from torch import nn
 
+from spmd.checkpoint.assign import assign, assign_meta, global_meta, is_meta, materialised
 from spmd.checkpoint.metadata import CheckpointError
+from spmd.checkpoint.rank0 import optimizer_state_from_rank0, set_model_from_rank0
 
 #: Attributes through which wrappers hold the module they wrap.
 WRAPPER_ATTRIBUTES = ("module", "_orig_mod")
@@ -224,203 +226,12 @@ def get_state_dict(
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizers, options=options)
 
 
-def assign(target: torch.Tensor, value: Any, what: str = "value") -> None:
-    """Copy ``value`` into ``target`` in place, whatever each one's placements (a full tensor into a shard too).
-
-    The global shapes must be equal (as torch's ``load_state_dict`` requires):
-    a copy would broadcast a smaller value, and slicing a shard out of a
-    larger one would truncate it, both without an error.
-    """
-    from spmd.tensor.dtensor import DTensor
-    from spmd.tensor.spec import holds_zero_summand, local_piece
-
-    shape = tuple(target._spec.shape) if isinstance(target, DTensor) else tuple(target.shape)
-    given = tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(torch.as_tensor(value).shape)
-    if given != shape:
-        raise CheckpointError(f"{what} has shape {list(given)} but the tensor it should fill has shape {list(shape)}; "
-                              "load a state dict of the same model (resharding changes placements, not shapes)")
-    with torch.no_grad():
-        if isinstance(target, DTensor):
-            spec = target._spec
-            if isinstance(value, DTensor):
-                if value._spec.placements != spec.placements or value._spec.mesh != spec.mesh:
-                    value = value.redistribute(spec.mesh, spec.placements) if value._spec.mesh == spec.mesh else value.full_tensor()
-                if isinstance(value, DTensor):
-                    target._local_tensor.copy_(value._local_tensor)
-                    return
-            value = torch.as_tensor(value)
-            coordinate = spec.mesh.get_coordinate()
-            if coordinate is None:  # not in the mesh: no piece to fill
-                return
-            if holds_zero_summand(spec, coordinate):
-                target._local_tensor.zero_()
-            else:
-                target._local_tensor.copy_(local_piece(value, spec) if value.ndim else value)
-        else:
-            target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
-
-
-def _broadcast_keys(state_dict: Mapping[str, Any], what: str) -> list[str]:
-    """Rank 0's keys, on every rank (``broadcast_from_rank0``: the other ranks' state dicts may be empty)."""
-    from spmd.comm.init import get_rank
-    from spmd.comm.objects import broadcast_object_list
-
-    keys: list[Any] = [sorted(state_dict) if get_rank() == 0 else None]
-    broadcast_object_list(keys, src=0)
-    if not keys[0] and get_rank() == 0:
-        raise CheckpointError(f"{what}: broadcast_from_rank0=True but rank 0's state dict is empty")
-    return keys[0]
-
-
-def _broadcast_tensor(value: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Rank 0's full ``value`` on every rank (the others allocate ``shape``/``dtype`` on ``device`` to receive it)."""
-    from spmd.comm.collectives import broadcast
-    from spmd.comm.init import get_rank
-    from spmd.tensor.dtensor import DTensor
-
-    if get_rank() == 0:
-        if isinstance(value, DTensor) or value is None:  # (a DTensor's full_tensor() here would wait for the other ranks)
-            raise CheckpointError(
-                "broadcast_from_rank0: rank 0 must hold a full state dict of plain tensors (get it with "
-                f"StateDictOptions(full_state_dict=True)); it has {'no value' if value is None else 'a DTensor'} "
-                f"for a tensor of shape {list(shape)}"
-            )
-        full = torch.as_tensor(value).detach().to(device=device, dtype=dtype).contiguous()
-        if tuple(full.shape) != shape:
-            raise CheckpointError(f"broadcast_from_rank0: rank 0's value has shape {list(full.shape)}, the model's {list(shape)}")
-    else:
-        full = torch.empty(shape, dtype=dtype, device=device)
-    broadcast(full, src=0)
-    return full
-
-
-def _global_meta(target: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
-    """The global shape, dtype and the device the target's values live on (for a meta target, where
-    ``to_empty`` would put them: the mesh's device type, else the world's default device, as torch's)."""
-    from spmd.tensor.dtensor import DTensor
-
-    device = target._local_tensor.device if isinstance(target, DTensor) else target.device
-    if device.type == "meta":
-        device = torch.device(target._spec.mesh.device_type) if isinstance(target, DTensor) else _default_device()
-    return tuple(target.shape), target.dtype, device
-
-
-def _default_device() -> torch.device:
-    """The device torch's ``_get_pg_default_device`` would name: the accelerator if the world has a backend
-    for it, else the CPU."""
-    from spmd.comm.state import is_initialized, resolve_group
-
-    accelerator = torch.accelerator.current_accelerator(check_available=True)
-    if accelerator is not None and is_initialized():
-        backends = resolve_group(None).backend_map
-        if backends is None or accelerator.type in backends:
-            return torch.device(accelerator.type)
-    return torch.device("cpu")
-
-
-def _is_meta(target: Any) -> bool:
-    from spmd.tensor.dtensor import DTensor
-
-    if isinstance(target, DTensor):
-        return target._local_tensor.is_meta
-    return isinstance(target, torch.Tensor) and target.is_meta
-
-
-def _materialised(target: torch.Tensor, value: Any, what: str) -> torch.Tensor:
-    """``value`` as a new tensor shaped like the meta ``target``: a DTensor with this rank's piece under the
-    target's placements, or a plain tensor, on the device ``_global_meta`` names."""
-    from spmd.tensor.dtensor import DTensor
-    from spmd.tensor.spec import holds_zero_summand, local_piece
-
-    shape, dtype, device = _global_meta(target)
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    value = torch.as_tensor(value).detach()
-    if tuple(value.shape) != shape:
-        raise CheckpointError(f"{what} has shape {list(value.shape)} but the tensor it should fill has shape {list(shape)}; "
-                              "load a state dict of the same model (resharding changes placements, not shapes)")
-    value = value.to(device=device, dtype=dtype)
-    if not isinstance(target, DTensor):
-        return value.clone()
-    spec = target._spec
-    coordinate = spec.mesh.get_coordinate()
-    piece = local_piece(value, spec) if value.ndim else value
-    if coordinate is not None and holds_zero_summand(spec, coordinate):
-        piece = torch.zeros_like(piece)
-    return DTensor(piece.clone().contiguous(), spec)
-
-
-def _assign_meta(model: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
-    """Meta targets (a model built under ``torch.device("meta")``, not yet ``to_empty``): ``copy_`` into them
-    would do nothing, so the new tensors replace them (``load_state_dict(assign=True)``, as torch's
-    ``set_model_state_dict`` does; fully_shard's units adopt them)."""
-    if values:
-        model.load_state_dict(dict(values), strict=False, assign=True)
-
-
-def _set_model_from_rank0(
-    own: Mapping[str, Any], model_state_dict: Mapping[str, Any], options: StateDictOptions
-) -> dict[str, torch.Tensor]:
-    """``broadcast_from_rank0``: every tensor of rank 0's full state dict, one at a time, to every rank's shards;
-    returns the new tensors for meta targets (to be assigned)."""
-    keys = _broadcast_keys(model_state_dict, "set_model_state_dict")
-    missing = sorted(set(own) - set(keys))
-    unexpected = sorted(set(keys) - set(own))
-    if options.strict and (missing or unexpected):
-        raise CheckpointError(f"set_state_dict: rank 0's model state dict lacks {missing[:8]} and has unknown keys {unexpected[:8]}")
-    meta: dict[str, torch.Tensor] = {}
-    for key in keys:
-        target = own.get(key)
-        if not isinstance(target, torch.Tensor):
-            continue
-        shape, dtype, device = _global_meta(target)
-        full = _broadcast_tensor(model_state_dict.get(key), shape, dtype, device)
-        if _is_meta(target):
-            meta[key] = _materialised(target, full, f"model_state_dict[{key!r}]")
-        else:
-            assign(target, full, f"model_state_dict[{key!r}]")
-    return meta
-
-
-def _optimizer_state_from_rank0(optim_state_dict: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    """Rank 0's optimizer state dict on every rank: its structure as one object, then its tensors one by one."""
-    from spmd.comm.init import get_rank
-    from spmd.comm.objects import broadcast_object_list
-
-    tensors: list[torch.Tensor] = []
-
-    def skeleton(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-            return ("__tensor__", tuple(value.shape), value.dtype)
-        if isinstance(value, Mapping):
-            return {k: skeleton(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [skeleton(v) for v in value]
-        return value
-
-    box: list[Any] = [skeleton(dict(optim_state_dict)) if get_rank() == 0 else None]
-    broadcast_object_list(box, src=0)
-    queue = iter(tensors)
-
-    def fill(value: Any) -> Any:
-        if isinstance(value, tuple) and len(value) == 3 and value[0] == "__tensor__":
-            return _broadcast_tensor(next(queue, None), value[1], value[2], device)
-        if isinstance(value, dict):
-            return {k: fill(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [fill(v) for v in value]
-        return value
-
-    return fill(box[0])
-
-
 def set_model_state_dict(model: nn.Module, model_state_dict: Mapping[str, Any], *, options: StateDictOptions | None = None) -> None:
     """Copy ``model_state_dict`` into the unwrapped model's parameters and buffers, in place (see StateDictOptions)."""
     options = options or StateDictOptions()
     own = unwrap(model).state_dict(keep_vars=True)
     if options.broadcast_from_rank0:
-        _assign_meta(unwrap(model), _set_model_from_rank0(own, model_state_dict, options))
+        assign_meta(unwrap(model), set_model_from_rank0(own, model_state_dict, options.strict))
         return
     missing = sorted(set(own) - set(model_state_dict))
     unexpected = sorted(set(model_state_dict) - set(own))
@@ -429,11 +240,11 @@ def set_model_state_dict(model: nn.Module, model_state_dict: Mapping[str, Any], 
     meta: dict[str, torch.Tensor] = {}
     for key, value in model_state_dict.items():
         if key in own and isinstance(own[key], torch.Tensor):
-            if _is_meta(own[key]):
-                meta[key] = _materialised(own[key], value, f"model_state_dict[{key!r}]")
+            if is_meta(own[key]):
+                meta[key] = materialised(own[key], value, f"model_state_dict[{key!r}]")
             else:
                 assign(own[key], value, f"model_state_dict[{key!r}]")
-    _assign_meta(unwrap(model), meta)
+    assign_meta(unwrap(model), meta)
 
 
 def set_optimizer_state_dict(
@@ -449,8 +260,8 @@ def set_optimizer_state_dict(
     names = _names(unwrap(model))
     if options.broadcast_from_rank0:
         first = next((p for opt in _optimizers(optimizers) for g in opt.param_groups for p in g["params"]), None)
-        device = _global_meta(first)[2] if first is not None else torch.device("cpu")
-        optim_state_dict = _optimizer_state_from_rank0(optim_state_dict, device)
+        device = global_meta(first)[2] if first is not None else torch.device("cpu")
+        optim_state_dict = optimizer_state_from_rank0(optim_state_dict, device)
     if "state" not in optim_state_dict and "param_groups" not in optim_state_dict and optim_state_dict:
         optim_state_dict = unflatten_optimizer_state_dict(optim_state_dict, names.values())
     saved_groups = {fqn: g for g in optim_state_dict.get("param_groups", []) for fqn in g["params"]}

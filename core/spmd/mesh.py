@@ -39,7 +39,7 @@ class DeviceMesh:
         backend: BackendChoice = None,
         _groups: dict[int, ProcessGroup] | None = None,
     ) -> None:
-        _ensure_world()
+        ensure_world()
         grid = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
         if grid.ndim == 0:
             grid = grid.reshape(1)
@@ -239,7 +239,7 @@ def init_device_mesh(
     Without a world yet, it first joins one with ``spmd.init_process_group()``
     (launcher environment: ``spmd run``, torchrun, ...), as torch's does.
     """
-    _ensure_world()
+    ensure_world()
     shape = tuple(int(s) for s in mesh_shape)
     world = get_world_size()
     if not shape or any(s < 1 for s in shape) or math.prod(shape) != world:
@@ -256,7 +256,7 @@ def init_device_mesh(
     return DeviceMesh(device_type, grid, mesh_dim_names=mesh_dim_names, backend=backend)
 
 
-def _ensure_world() -> None:
+def ensure_world() -> None:
     """Join the job from the launcher's environment if no world exists yet (torch's meshes create the default group)."""
     from spmd.comm.state import is_initialized
 

@@ -29,7 +29,7 @@ from spmd.tensor.errors import (
     ShardingRuleError,
 )
 from spmd.tensor.placements import Partial, Placement, Replicate
-from spmd.tensor.redistribute import redistribute_local
+from spmd.tensor.redistribute import redistribute_local, shares_memory
 from spmd.tensor.rule import Decompose, LocalInfo, OpCall, Sharding, TensorArg, TensorMeta
 from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
@@ -262,7 +262,7 @@ def _execute(func: Any, plan: Plan, flat: list[Any], layout: list[Any], position
                 local[pos] = dt._local_tensor
             else:
                 local[pos] = redistribute_local(dt._local_tensor, dt._spec, target)
-                if plan.view and not _same_storage(local[pos], dt._local_tensor):
+                if plan.view and local[pos].numel() and not shares_memory(local[pos], dt._local_tensor):
                     # the view will alias this copy, not the input: remember it, so a write through it fails
                     # (on the storage: locals made inside dispatch carry no view links, every view shares it)
                     local[pos].untyped_storage()._spmd_detached = (func, dt._spec.placements, target)
@@ -284,10 +284,6 @@ def _execute(func: Any, plan: Plan, flat: list[Any], layout: list[Any], position
     if plan.returns_self:
         return flat[positions[plan.mutated[0]]]
     return _wrap(out, plan.out_specs)
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.numel() == 0 or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _refuse_detached_write(func: Any, dt: DTensor) -> None:

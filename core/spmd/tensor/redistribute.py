@@ -138,7 +138,8 @@ def _redistribute_stored(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Plac
     return local
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether non-empty ``a`` lives in ``b``'s storage (a view of it, not a copy)."""
     return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
@@ -156,7 +157,7 @@ class Redistribute(torch.autograd.Function):
         spec = input._spec
         ctx.src = spec
         local = redistribute_local(input._local_tensor, spec, placements)
-        if placements != spec.placements and _shares_memory(local, input._local_tensor):
+        if placements != spec.placements and shares_memory(local, input._local_tensor):
             # Replicate -> Shard narrows, Replicate -> Partial keeps rank 0's tensor: an in-place op on the
             # result would write into the source, which would then differ across the ranks it is replicated on
             local = local.clone()

@@ -12,7 +12,7 @@ from spmd.comm.group import ProcessGroup
 from spmd.comm.init import get_world_size
 from spmd.comm.state import resolve_group
 from spmd.errors import SpmdError
-from spmd.mesh import DeviceMesh, _ensure_world, init_device_mesh
+from spmd.mesh import DeviceMesh, ensure_world, init_device_mesh
 from spmd.parallel.fsdp.module import fsdp_class
 from spmd.parallel.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from spmd.parallel.fsdp.root import UNIT_ATTR, FSDPRoot, unit_of
@@ -101,7 +101,7 @@ def fully_shard(
     if mesh is None:
         # as torch's (_init_default_mesh): without a world yet, join the job first -- the launcher's
         # environment, or the world torch.distributed.init_process_group made (spmd then reuses its store)
-        _ensure_world()
+        ensure_world()
         mesh = _default_mesh(_device_type(modules))
     if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
         reshard = reshard_after_forward is not False

@@ -17,6 +17,7 @@ import torch
 
 from spmd.tensor.errors import InPlaceViewError
 from spmd.tensor.placements import Partial, Placement, Replicate, Shard
+from spmd.tensor.redistribute import shares_memory
 from spmd.tensor.rule import Decompose, LocalInfo, OpCall, Sharding, TensorArg
 
 aten = torch.ops.aten
@@ -227,7 +228,7 @@ def _in_place_view(op: Any, method: str) -> Decompose:
     def in_place(x: Any, *args: Any, **kwargs: Any) -> Any:
         view = getattr(torch.Tensor, method)(x, *args, **kwargs)
         before, after = x._local_tensor, view._local_tensor
-        if after.numel() and after.untyped_storage().data_ptr() != before.untyped_storage().data_ptr():
+        if after.numel() and not shares_memory(after, before):
             raise InPlaceViewError(
                 f"{op}: the view needs placements {list(view.placements)} where the tensor has "
                 f"{list(x.placements)}, so it cannot stay in the tensor's memory; use the out-of-place op "

@@ -77,7 +77,9 @@ class Agent:
         else:
             assert c.rdzv_endpoint is not None
             endpoint = c.rdzv_endpoint
-            host_it = True if c.node_rank == 0 else (False if c.node_rank else None)
+            # node 0 hosts; so does the only node of a one-node job: a port already taken by
+            # something else must be an error at once, not a wait on a stranger's socket
+            host_it = True if c.node_rank == 0 or c.max_nodes == 1 else (False if c.node_rank else None)
             store, hosting = connect_store(endpoint, c.rdzv_timeout, host_it)
         host, _, port = endpoint.rpartition(":")
         me = local_address_towards(host, int(port)) if not c.standalone else "127.0.0.1"

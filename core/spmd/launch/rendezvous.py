@@ -84,7 +84,10 @@ def connect_store(endpoint: str, timeout: float, host_it: bool | None) -> tuple[
             return host_tcp_store(host, port, None, delta, wait_for_workers=False, multi_tenant=False), True
         except Exception as error:  # noqa: BLE001 - someone else hosts it (or must)
             if host_it:
-                raise SpmdError(f"could not host the rendezvous store on {endpoint}: {error}") from error
+                raise SpmdError(
+                    f"could not host the rendezvous store on {endpoint}: {error}; this node must host it "
+                    "(node 0, or the only node): choose a free port, or an address of this machine"
+                ) from error
     try:
         return tdist.TCPStore(host, port, None, False, delta), False
     except Exception as error:  # noqa: BLE001

@@ -68,7 +68,13 @@ class TorchWork(tdist.Work):
         """Nothing to order on CPU streams: a no-op, as for c10d's future-backed Works."""
 
     def get_future(self) -> torch.futures.Future:
-        """A torch Future that completes with the output tensors (or the spmd Work's error)."""
+        """A torch Future that completes with the output tensors, or fails with the spmd Work's error.
+
+        The error must reach C++ as a failed future: Python's ``Future.set_exception`` stores the
+        exception as the future's *value*, which DDP's reducer unpacks as its tensors (a SIGSEGV
+        when a peer died). A ``then`` whose callback raises fails its future in C++, so callers
+        there get an exception from ``value()``.
+        """
         if self._future is None:
             future: torch.futures.Future = torch.futures.Future()
 
@@ -84,9 +90,14 @@ class TorchWork(tdist.Work):
                 else:
                     future.set_result(self._result)
 
-            self._future = future
+            self._future = future.then(_unwrap)
             self._work.add_done_callback(forward)
         return self._future
+
+
+def _unwrap(future: torch.futures.Future) -> Any:
+    """The value of a finished future; raises its error (so that the ``then`` future fails in C++)."""
+    return future.value()
 
 
 def _seconds(timeout: timedelta | float) -> float:

@@ -22,9 +22,34 @@ from spmd.debug.recorder import Entry, recorder
 from spmd.debug.watchdog import adopt_announcements
 from spmd.errors import CollectiveDesyncError, CollectiveError, CollectiveTimeoutError
 
+
+class Unagreed:
+    """A call shape new to its group, on a backend that survives a size mismatch (MPI, UCC, ...): its
+    signature was posted before the op; ``complete`` hands the result back only once every rank's agrees."""
+
+    __slots__ = ("entry", "root", "splits", "timeout")
+
+    def __init__(self, entry: Entry, root: int | None, splits: tuple[Sequence[int], Sequence[int]] | None, timeout: Timeout) -> None:
+        self.entry, self.root, self.splits, self.timeout = entry, root, splits, timeout
+
+    def agree(self, group: ProcessGroup) -> None:
+        """Wait (bounded) for every rank's signature of this call; a disagreement breaks the group and raises."""
+        entry = self.entry
+        limit = group.timeout_s if self.timeout is None else seconds(self.timeout)
+        try:
+            desync.compare(group, entry, self.root, self.splits, limit)
+        except CollectiveDesyncError as error:
+            _break_on_disagreement(group, entry, error)
+            raise
+        except CollectiveTimeoutError as error:  # the op finished here (a root's send); a peer never called it
+            group.mark_unusable(f"{entry.op} #{entry.seq} was never called by every rank ({str(error).splitlines()[0]}); "
+                                "destroy it and create a new group, or restart the job")
+            raise
+
+
 #: What ``begin`` hands ``complete``: the recorded entry, or the op, tensors and reduce op to record
 #: (all_to_all_single adds no peer and its splits: ``recorder.start``'s further arguments).
-Call = Entry | tuple[str, Sequence[torch.Tensor], ReduceOp | None] | tuple[str, Sequence[torch.Tensor], None, None, tuple[Sequence[int], Sequence[int]]]
+Call = Entry | Unagreed | tuple[str, Sequence[torch.Tensor], ReduceOp | None] | tuple[str, Sequence[torch.Tensor], None, None, tuple[Sequence[int], Sequence[int]]]
 
 
 def begin(
@@ -76,13 +101,18 @@ def begin_sized(
     Returns what ``complete`` needs, or, for an async op whose cross-rank check
     ran out of time, the failed Work to hand the caller instead of submitting.
     """
-    if backend.aborts_on_size_mismatch and group.size > 1 and not desync.on:
+    if group.size > 1 and not desync.on:
         if len(tensors) == 1:
             shape: tuple = (op, tensors[0].shape, tensors[0].dtype, reduce_op, root)
         else:
             shape = (op, tuple((t.shape, t.dtype) for t in tensors), reduce_op, root, splits and tuple(map(tuple, splits)))
         if shape not in group.agreed_calls:
             entry = recorder.start(group.name, group.next_seq(), op, tensors, reduce_op, None, splits)
+            if not backend.aborts_on_size_mismatch:  # the op may run; its result is handed back once agreed
+                desync.post(group, entry, root)
+                if not splits_given:
+                    group.agreed_calls.add(shape)
+                return Unagreed(entry, root, splits, timeout)
             refused = _check_first_call(group, entry, root, splits, timeout, async_op)
             if refused is not None:
                 return refused
@@ -92,6 +122,38 @@ def begin_sized(
     if desync.on or splits is not None:
         return begin(group, op, tensors, reduce_op, root, splits, timeout)
     return (op, tensors, reduce_op)  # begin's common case, without its frame
+
+
+def _break_on_disagreement(group: ProcessGroup, entry: Entry, error: CollectiveDesyncError) -> None:
+    """As the always-on check would a moment later, but at once, on every rank: the group is given up."""
+    calls = "; ".join(line.strip() for line in str(error).splitlines()[1:1 + group.size])
+    _, found, splits = str(error).partition("; all_to_all_single splits disagree: ")
+    calls += f"; splits disagree: {splits}" if found else ""
+    group.mark_unusable(f"ranks disagree on collective #{entry.seq} of group {group.name!r} ({calls}); "
+                        "destroy it and create a new group, or restart the job")
+
+
+def _complete_unagreed(work: Work | NativeWork, group: ProcessGroup, op: str, call: Unagreed, async_op: bool,
+                       after: Callable[[], None] | None, timeout: Timeout, result: torch.Tensor | None) -> Work | None:
+    """``complete`` for a call shape new to the group: the op's Work is followed by the agreement of every
+    rank's signature (waited in the caller's thread, or where the op completes for callbacks and futures),
+    so a mismatched first call fails on every rank instead of handing back garbage. An op that failed
+    skips the comparison: its own error (a dead peer, a timeout) stands."""
+    if not async_op:
+        complete(work, group, op, call.entry, False, None, timeout)
+        call.agree(group)
+        if after is not None:
+            after()
+        return None
+    done = complete(work, group, op, call.entry, True, None, timeout, result)
+    assert done is not None
+    agreed = done.then(lambda: call.agree(group))
+    if after is not None:
+        agreed = agreed.then(after)
+    agreed._entry, agreed._group = call.entry, group
+    if result is not None:
+        agreed._value = [result]
+    return agreed
 
 
 def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, splits: tuple[Sequence[int], Sequence[int]] | None,
@@ -113,10 +175,7 @@ def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, split
         desync.check(group, entry, root, splits, limit)
     except CollectiveDesyncError as error:
         entry.finish(error)
-        calls = "; ".join(line.strip() for line in str(error).splitlines()[1:1 + group.size])
-        # as the always-on check would a moment later, but at once, on every rank
-        group.mark_unusable(f"ranks disagree on collective #{entry.seq} of group {group.name!r} ({calls}); "
-                            "destroy it and create a new group, or restart the job")
+        _break_on_disagreement(group, entry, error)
         raise
     except CollectiveTimeoutError:
         ended = _failed_call(group, entry, limit)
@@ -144,6 +203,8 @@ def _record(group: ProcessGroup, call: Call, done: bool = False) -> Entry:
     """The op's flight-recorder entry: ``begin``'s, or recorded now (``done``: as already completed)."""
     if isinstance(call, Entry):
         return call
+    if isinstance(call, Unagreed):
+        return call.entry
     seq = group.seq  # group.next_seq(), inline: this runs once per op
     group.seq = seq + 1
     if len(call) == 3:
@@ -173,6 +234,8 @@ def complete(
     timeout): if nobody waits on it and it outlives that, the watchdog fails it
     (see ``spmd.comm.work`` for the order in which timeouts nest).
     """
+    if type(call) is Unagreed:
+        return _complete_unagreed(work, group, op, call, async_op, after, timeout, result)
     if not isinstance(work, Work):  # the backend returned its own handle (the NativeWork protocol)
         if not async_op and not hasattr(work, "wait_stream"):
             _wait_here(work, group, op, call, after, timeout)

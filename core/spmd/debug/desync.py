@@ -101,14 +101,35 @@ def check(
     across ranks: what rank i sends to rank j is what rank j expects from i.
     Waits up to ``timeout_s`` (default: the group's) for the other ranks.
     """
+    post(group, entry, root)
+    compare(group, entry, root, splits, timeout_s)
+
+
+def _prefix(group: Any, entry: Entry) -> str:
+    return f"spmd/debug/desync/{group.uid}/{entry.seq}/"
+
+
+def post(group: Any, entry: Entry, root: int | None = None) -> None:
+    """Publish this rank's signature of ``entry``'s call (one store ``set``): the first half of ``check``,
+    for a caller that compares only after its op ran (``compare``)."""
+    from spmd.comm.state import get_state
+
+    get_state().store.set(_prefix(group, entry) + str(group.rank), call_signature(entry, root))
+
+
+def compare(
+    group: Any, entry: Entry, root: int | None = None, splits: tuple[Sequence[int], Sequence[int]] | None = None,
+    timeout_s: float | None = None,
+) -> None:
+    """The second half of ``check``: wait for every rank's posted signature and raise CollectiveDesyncError
+    on every rank unless they agree (CollectiveTimeoutError naming the ranks that never posted)."""
     limit = group.timeout_s if timeout_s is None else timeout_s
     from spmd.comm.state import get_state
     from spmd.comm.store_wait import missing_keys
 
     store = get_state().store
-    prefix = f"spmd/debug/desync/{group.uid}/{entry.seq}/"
+    prefix = _prefix(group, entry)
     mine = call_signature(entry, root)  # (with the entry's splits, for all_to_all_single)
-    store.set(prefix + str(group.rank), mine)
     keys = [prefix + str(r) for r in range(group.size)]
     def out_of_step() -> None:  # while this rank waits, the always-on check or a peer's failed call may give the group up
         if group.unusable is not None:
@@ -122,7 +143,8 @@ def check(
             f"this call within {limit:.1f} s (this rank calls {mine})"
         )
     calls = [store.get(key).decode() for key in keys]
-    if entry.seq >= 2:
+    if on and entry.seq >= 2:  # (every call compared: every rank read seq - 2. A first-call comparison
+        # after an async op may still be due on a peer: those keys stay, one per call shape)
         store.delete_key(f"spmd/debug/desync/{group.uid}/{entry.seq - 2}/{group.rank}")
     bare = {call.partition(" splits ")[0] for call in calls}
     split_problem = _split_mismatch(calls, group.ranks) if splits is not None and len(bare) == 1 else None

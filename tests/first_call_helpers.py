@@ -40,3 +40,19 @@ def _all_to_all(group: object, splits: list[int]) -> list[float]:
     out = torch.zeros(4)
     spmd.all_to_all_single(out, torch.arange(4.0), input_split_sizes=splits, output_split_sizes=[2, 2], group=group)
     return out.tolist()
+
+
+def async_first_call_that_disagrees(late_s: float) -> dict[str, object]:
+    """An async all_reduce of a new shape, float32 on rank 0 and int32 on rank 1 (which calls ``late_s`` later):
+    how long the call took to return, and what waiting on its Work raised."""
+    import time
+
+    group = spmd.new_group([0, 1])
+    spmd.barrier(group=group)
+    if spmd.get_rank() == 1:
+        time.sleep(late_s)
+    t = torch.ones(4, dtype=torch.int32 if spmd.get_rank() == 1 else torch.float32)
+    start = time.monotonic()
+    work = spmd.all_reduce(t, group=group, async_op=True)
+    returned_after = time.monotonic() - start
+    return {"returned_after": returned_after, "wait": _outcome(work.wait)}

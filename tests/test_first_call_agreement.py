@@ -21,6 +21,35 @@ def test_a_first_call_that_disagrees_is_named_on_every_rank(spmd_world, backend)
         assert r["agreed"] == "no error: [2.0, 2.0, 2.0]", r
 
 
+@pytest.mark.parametrize("backend", ["mpi", "ucc"])
+def test_a_first_call_the_backend_completes_is_named_before_its_result_is_handed_back(spmd_world, backend):
+    """MPI and UCC run a mismatched call (they survive a size mismatch): each rank posted its call before the op,
+    and the result comes back only once every rank's agrees, so a disagreement raises on every rank where the
+    backend completed the op; one the backend failed (buffers of different sizes) raises the backend's error."""
+    for rank, r in enumerate(_run_and_discard(spmd_world, backend, h.first_calls_that_disagree, timeout=180)):
+        for case in ("float64", "int32", "max", "root", "splits"):
+            assert not r[case].startswith("no error"), (backend, rank, case, r[case])
+            assert r[case].startswith(("CollectiveDesyncError", "CollectiveError")), (backend, rank, case, r[case])
+            assert r[case + "_next"].startswith("CollectiveError") and "cannot be used" in r[case + "_next"], (rank, case, r)
+        for case in ("int32", "max", "root"):  # (the same bytes on every rank: the backend completes them)
+            assert r[case].startswith("CollectiveDesyncError"), (backend, rank, case, r[case])
+        assert "float32; 4) SUM" in r["int32"] and "int32; 4) SUM" in r["int32"], r["int32"]
+        assert "MAX" in r["max"] and "root=1" in r["root"], r
+        assert r["agreed"] == "no error: [2.0, 2.0, 2.0]", r
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "ucc", "p2p"])
+def test_an_async_first_call_that_disagrees_fails_its_work_on_every_rank(spmd_world, backend):
+    """Rank 1 calls 2 s after rank 0. On MPI and UCC rank 0's async call returns at once (the comparison follows
+    the op, inside its Work); Gloo's comparison precedes the op (a size mismatch aborts Gloo), so there the
+    call waits for rank 1's."""
+    rank0, rank1 = _run_and_discard(spmd_world, backend, h.async_first_call_that_disagrees, 2.0, timeout=120)
+    for r in (rank0, rank1):
+        assert r["wait"].startswith("CollectiveDesyncError") and "int32; 4) SUM" in r["wait"], r
+    if backend in ("mpi", "ucc"):
+        assert rank0["returned_after"] < 1.0, rank0  # (wide: a store round trip and the submission, on a loaded host)
+
+
 @pytest.mark.parametrize(("backend", "kind"), [("gloo", "op"), ("ucc", "op"), ("ucc", "dtype")])
 def test_a_job_whose_last_call_disagrees_never_exits_0(backend, kind):
     """The always-on check compares every 0.2 s; a mismatch in a job's last step was found after it had exited 0.
@@ -43,5 +72,7 @@ def test_a_job_whose_last_call_disagrees_never_exits_0(backend, kind):
     assert [p.returncode for p in procs] == [1, 1], outputs
     for out, err in outputs:
         assert "clean exit" not in out
-        assert "CollectiveDesyncError" in err, err[-2000:]
+        # (the rank whose call was new to the group raises at it; its peer, for which the call was not new,
+        # at its next call, naming the same disagreement)
+        assert "CollectiveDesyncError" in err or "ranks disagree on collective #2" in err, err[-2000:]
         assert ("all_reduce(float32; 4) MAX" if kind == "op" else "all_reduce(int32; 4) SUM") in err, err[-2000:]

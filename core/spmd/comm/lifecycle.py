@@ -162,8 +162,8 @@ def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, split
 
     The call waits for the other ranks' shapes (an async one too: a store round
     trip once per shape). A disagreement is a CollectiveDesyncError naming
-    every rank's call, raised on every rank before any issued the op; the group
-    is then unusable, as after any mismatch. A rank that never makes the call ends the wait as the
+    every rank's call, on every rank before any issued the op (raised, or for an
+    async op returned as its failed Work); the group is then unusable, as after any mismatch. A rank that never makes the call ends the wait as the
     op's own timeout would, with the same diagnosis (the op, its group and
     sequence number, the ranks that never arrived), and leaves the group
     unusable: raised, or for an async op returned as the failed Work. A group
@@ -176,7 +176,11 @@ def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, split
     except CollectiveDesyncError as error:
         entry.finish(error)
         _break_on_disagreement(group, entry, error)
-        raise
+        if not async_op:
+            raise
+        refused = _failed_call(group, entry, limit)
+        refused._finish(None, error)  # (an async call's failure is its Work's, as on every backend)
+        return refused
     except CollectiveTimeoutError:
         ended = _failed_call(group, entry, limit)
         failure = ended._timed_out(limit, own_deadline=True)

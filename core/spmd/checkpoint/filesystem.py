@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from spmd.checkpoint.localread import open_regular, pread_exact
 from spmd.checkpoint.metadata import CheckpointError
 from spmd.checkpoint.storage import Buffer, Storage, StorageSpec
-from spmd.checkpoint.untrusted import check_relative
+from spmd.checkpoint.untrusted import check_range, check_relative
 from spmd.markers import hookimpl
 
 
@@ -76,6 +76,8 @@ class FileStorage(Storage):
         where = self._path(path) if path else self.root
         check_relative(path, where)
         parts = os.path.relpath(self._path(path), self.root).split(os.sep)
+        if any(part in ("", os.curdir, os.pardir) for part in parts):  # a subclass's _path that leaves the root
+            raise CheckpointError(f"{where} is not inside the checkpoint directory {self.root}; refused")
         fd, size = open_regular(self.root, parts, where)
         return fd, size, where
 
@@ -84,9 +86,7 @@ class FileStorage(Storage):
         try:
             if length is None:
                 length = max(size - offset, 0)
-            if offset < 0 or length < 0 or offset + length > size:
-                raise CheckpointError(f"{where}: bytes {offset}-{offset + length} were asked for, outside the file's "
-                                      f"{size}; the checkpoint is damaged or truncated")
+            check_range(where, size, offset, length)
             buffer = bytearray(length)
             pread_exact(fd, size, offset, memoryview(buffer), where)
         finally:

@@ -13,7 +13,7 @@ from typing import Any
 from spmd.checkpoint.filesystem import FileStorage
 from spmd.checkpoint.metadata import CheckpointError
 from spmd.checkpoint.storage import ANY_SCHEME, Buffer, Storage, StorageSpec
-from spmd.checkpoint.untrusted import check_relative
+from spmd.checkpoint.untrusted import check_range, check_relative
 from spmd.markers import hookimpl
 
 
@@ -74,9 +74,7 @@ class FsspecStorage(Storage):
             return local.read(path, offset, length)
         size = self.size(path)
         length = max(size - offset, 0) if length is None else length
-        if offset < 0 or length < 0 or offset + length > size:
-            raise CheckpointError(f"{self._path(path)}: bytes {offset}-{offset + length} were asked for, outside the "
-                                  f"file's {size}; the checkpoint is damaged or truncated")
+        check_range(self._path(path), size, offset, length)
         data = self.fs.cat_file(self._path(path), start=offset, end=offset + length)
         if len(data) != length:
             raise CheckpointError(f"{self._path(path)} ends before byte {offset + length} (it shrank while read)")

@@ -15,6 +15,7 @@ import stat
 from collections.abc import Sequence
 
 from spmd.checkpoint.metadata import CheckpointError
+from spmd.checkpoint.untrusted import check_range
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -104,11 +105,7 @@ def open_regular(root: str, parts: Sequence[str], where: str) -> tuple[int, int]
 def pread_exact(fd: int, size: int, offset: int, out: memoryview, where: str) -> None:
     """Fill ``out`` from ``offset`` of the ``size``-byte file ``fd``; a range outside the file is an error, not a read."""
     length = out.nbytes
-    if offset < 0 or offset + length > size:
-        raise CheckpointError(
-            f"{where}: bytes {offset}-{offset + length} were asked for, outside the file's {size}; "
-            "the checkpoint is damaged or truncated"
-        )
+    check_range(where, size, offset, length)
     done = 0
     while done < length:
         n = os.preadv(fd, [out[done:]], offset + done)

@@ -82,3 +82,12 @@ def check_relative(path: str, where: str = "checkpoint") -> list[str]:
             "absolute paths, no leading dots or unusual characters); the checkpoint is damaged or hostile"
         )
     return parts
+
+
+def check_range(where: str, size: int, offset: int, length: int) -> None:
+    """Refuse a read of ``length`` bytes at ``offset`` that is not inside a ``size``-byte file (before allocating it)."""
+    if offset < 0 or length < 0 or offset + length > size:
+        raise CheckpointError(
+            f"{where}: bytes {offset}-{offset + length} were asked for, outside the file's {size}; "
+            "the checkpoint is damaged or truncated"
+        )

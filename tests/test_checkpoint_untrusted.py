@@ -221,6 +221,10 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
 }
 
 
+#: The cases as test ids without spaces or slashes (``-k rank-file-a-FIFO``).
+IDS = [re.sub(r"[^A-Za-z0-9.]+", "-", case).strip("-") for case in CASES]
+
+
 def _target() -> dict[str, Any]:
     """What a load fills: ``ids`` None, so it becomes a new tensor of whatever shape the checkpoint claims."""
     return {"w": torch.zeros(4, 3), "ids": None, "step": 0, "cfg": {"lr": 0.0}}
@@ -262,14 +266,14 @@ def test_the_untouched_copy_loads_and_consolidates(ck, tmp_path, capsys):
     assert main(["checkpoint", "inspect", str(ck)]) == 0
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES), ids=IDS)
 def test_load_refuses(ck, case):
     tamper, match = CASES[case]
     tamper(ck)
     _refused(ck, match, str(ck))
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES), ids=IDS)
 def test_load_through_fsspec_local_refuses(ck, case):
     pytest.importorskip("fsspec", reason="fsspec is not installed: its storage is not loaded")
     tamper, match = CASES[case]
@@ -278,7 +282,7 @@ def test_load_through_fsspec_local_refuses(ck, case):
 
 
 @pytest.mark.parametrize("command", ["consolidate", "inspect"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES), ids=IDS)
 def test_cli_refuses_in_one_line(ck, tmp_path, capsys, case, command):
     tamper, match = CASES[case]
     tamper(ck)

@@ -399,3 +399,35 @@ def set_model_state_dict_into_meta_fully_shard() -> dict:
             "forward": torch.allclose(model(x), reference(x)),
         }
     return out
+
+
+# -- untrusted checkpoints (test_checkpoint_untrusted.py) -------------------------------------------------
+
+
+def small_state() -> dict[str, Any]:
+    """What test_checkpoint_untrusted saves: a row-sharded matrix (one chunk per rank), a plain tensor, values."""
+    return {"w": torch.arange(12.0).reshape(4, 3), "ids": torch.arange(5) * 7, "step": 3, "cfg": {"lr": 0.5}}
+
+
+def save_small_on_two(path: str) -> None:
+    """Save small_state() from 2 ranks, ``w`` as Shard(0): two rank files, ``w`` in two chunks."""
+    mesh = spmd.init_device_mesh("cpu", (2,))
+    state = small_state()
+    state["w"] = spmd.distribute_tensor(state["w"], mesh, [Shard(0)], src_data_rank=None)
+    dcp.save(state, checkpoint_id=path)
+
+
+def load_small_on_two(path: str, secret: bytes) -> dict[str, Any]:
+    """Load a (tampered) small checkpoint into Shard(1) tensors: the error, its seconds, whether ``secret`` got in."""
+    mesh = spmd.init_device_mesh("cpu", (2,))
+    state = {"w": spmd.distribute_tensor(torch.zeros(4, 3), mesh, [Shard(1)], src_data_rank=None),
+             "ids": torch.zeros(5, dtype=torch.int64), "step": 0, "cfg": {"lr": 0.0}}
+    start = time.perf_counter()
+    try:
+        dcp.load(state, checkpoint_id=path)
+        error = None
+    except dcp.CheckpointError as e:
+        error = str(e)
+    seconds = time.perf_counter() - start
+    held = state["w"].to_local().contiguous().numpy().tobytes() + state["ids"].numpy().tobytes()
+    return {"error": error, "seconds": seconds, "secret_seen": secret[:8] in held}

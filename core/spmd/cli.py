@@ -193,8 +193,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
                   "the checkpoint it writes holds no pickle", file=sys.stderr)
             state = tools.import_torch(args.file, args.path)
             print(f"wrote {len(state)} top-level entries to {args.path}")
-    except (CheckpointError, OSError, ValueError) as error:
-        print(f"spmd checkpoint {args.checkpoint_command}: {error}", file=sys.stderr)
+    except (CheckpointError, OSError, ValueError) as error:  # one line, no traceback: the message says what to do
+        print(f"spmd checkpoint {args.checkpoint_command}: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     return 0
 

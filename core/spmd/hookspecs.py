@@ -142,6 +142,11 @@ def spmd_storages() -> Iterable[Any]:
     - ``read(path, offset=0, length=None) -> bytes-like``: a byte range
       (``load`` reads only the spans of the shards it needs);
       ``read_into(path, offset, memoryview)`` optionally, to read without a copy.
+    - ``size(path) -> int``: the size of a regular file, asked before spmd
+      reads a file a checkpoint names (the default reads the whole file).
+      A checkpoint is untrusted input: on the read side refuse a path that
+      leaves the root (``spmd.checkpoint.untrusted.check_relative``), links
+      and anything but a regular file, and never block.
     - ``exists(path)``, ``listdir(path="") -> names``, ``remove(path)``
       (a file or a tree; missing is fine).
 

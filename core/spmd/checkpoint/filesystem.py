@@ -7,7 +7,10 @@ import shutil
 import uuid
 from collections.abc import Iterable
 
+from spmd.checkpoint.localread import open_regular, pread_exact
+from spmd.checkpoint.metadata import CheckpointError
 from spmd.checkpoint.storage import Buffer, Storage, StorageSpec
+from spmd.checkpoint.untrusted import check_range, check_relative
 from spmd.markers import hookimpl
 
 
@@ -26,7 +29,10 @@ def _fsync_directory(path: str) -> None:
 
 
 class FileStorage(Storage):
-    """A checkpoint in a local (or mounted) directory; writes go through ``os.write`` and ``fsync``, reads through ``os.preadv``."""
+    """A checkpoint in a local (or mounted) directory; writes go through ``os.write`` and ``fsync``, reads through ``os.preadv``.
+
+    Reads refuse a path outside the root, a symbolic link below it and anything but a regular file, without blocking.
+    """
 
     def __init__(self, url: str) -> None:
         self.root = os.path.abspath(url[len("file://") :] if url.startswith("file://") else url)
@@ -65,24 +71,39 @@ class FileStorage(Storage):
             if os.path.exists(temporary):
                 os.unlink(temporary)
 
+    def _open(self, path: str) -> tuple[int, int, str]:
+        """A descriptor of the regular file ``path`` inside the root, its size and its name for errors."""
+        where = self._path(path) if path else self.root
+        check_relative(path, where)
+        parts = os.path.relpath(self._path(path), self.root).split(os.sep)
+        if any(part in ("", os.curdir, os.pardir) for part in parts):  # a subclass's _path that leaves the root
+            raise CheckpointError(f"{where} is not inside the checkpoint directory {self.root}; refused")
+        fd, size = open_regular(self.root, parts, where)
+        return fd, size, where
+
     def read(self, path: str, offset: int = 0, length: int | None = None) -> Buffer:
-        if length is None:
-            length = os.path.getsize(self._path(path)) - offset
-        buffer = bytearray(length)
-        self.read_into(path, offset, memoryview(buffer))
+        fd, size, where = self._open(path)
+        try:
+            if length is None:
+                length = max(size - offset, 0)
+            check_range(where, size, offset, length)
+            buffer = bytearray(length)
+            pread_exact(fd, size, offset, memoryview(buffer), where)
+        finally:
+            os.close(fd)
         return buffer
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        fd = os.open(self._path(path), os.O_RDONLY)
+        fd, size, where = self._open(path)
         try:
-            done, length = 0, out.nbytes
-            while done < length:
-                n = os.preadv(fd, [out[done:]], offset + done)
-                if n == 0:
-                    raise OSError(f"{self._path(path)}: the file ends before byte {offset + length}")
-                done += n
+            pread_exact(fd, size, offset, out, where)
         finally:
             os.close(fd)
+
+    def size(self, path: str) -> int:
+        fd, size, _ = self._open(path)
+        os.close(fd)
+        return size
 
     def exists(self, path: str) -> bool:
         return os.path.exists(self._path(path))

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from spmd.checkpoint.datafiles import DataFiles
 from spmd.checkpoint.flatten import leaves, restore_value
 from spmd.checkpoint.metadata import (
     METADATA_FILE,
@@ -24,12 +25,13 @@ from spmd.checkpoint.metadata import (
 )
 from spmd.checkpoint.planner import Box, covered, is_contiguous_box, plan_reads, span
 from spmd.checkpoint.safetensors_io import byte_view, tensor_from
+from spmd.checkpoint.schema import MAX_METADATA_BYTES
 from spmd.checkpoint.stateful import expand_stateful, restore_stateful
 from spmd.checkpoint.storage import Storage, checkpoint_location, open_storage
 
 
 def read_metadata(storage: Storage, checkpoint_id: str) -> Metadata:
-    """The committed metadata, or an error that says whether the checkpoint is missing or partial."""
+    """The committed metadata, validated, or an error that says whether the checkpoint is missing, partial or damaged."""
     if not storage.exists(METADATA_FILE):
         partial = [n for n in storage.listdir() if is_data_dir(n)]
         if partial:
@@ -38,7 +40,12 @@ def read_metadata(storage: Storage, checkpoint_id: str) -> Metadata:
                 "so no save there ever finished; load an earlier checkpoint"
             )
         raise CheckpointError(f"no checkpoint at {checkpoint_id!r} ({METADATA_FILE} not found)")
-    return Metadata.from_json(storage.read(METADATA_FILE), f"{checkpoint_id}/{METADATA_FILE}")
+    where = f"{checkpoint_id}/{METADATA_FILE}"
+    size = storage.size(METADATA_FILE)
+    if size > MAX_METADATA_BYTES:
+        raise CheckpointError(f"{where} is {size} bytes, more than the {MAX_METADATA_BYTES} a checkpoint's metadata "
+                              "may have; it is damaged or not an spmd checkpoint")
+    return Metadata.from_json(storage.read(METADATA_FILE, 0, size), where)
 
 
 def _target(tensor: torch.Tensor) -> tuple[torch.Tensor, Box | None]:
@@ -59,15 +66,21 @@ def _target(tensor: torch.Tensor) -> tuple[torch.Tensor, Box | None]:
     return local, (offsets, sizes)
 
 
-def read_box(storage: Storage, key: str, entry: TensorEntry, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Fill ``out`` (or a new tensor) with ``box`` of the stored tensor ``key``, reading only the spans it needs."""
+def read_box(files: DataFiles, key: str, entry: TensorEntry, box: Box, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Fill ``out`` (or a new tensor) with ``box`` of the stored tensor ``key``, reading only the spans it needs.
+
+    Every file read from is checked against the metadata first, before ``out`` is allocated.
+    """
     dtype = entry.torch_dtype
-    if out is None:
-        out = torch.empty(box[1], dtype=dtype)
     steps = plan_reads(box, entry.chunks)
     if not covered(box, steps):
         raise CheckpointError(f"checkpoint entry {key!r} does not cover the region {box} it claims; it is damaged")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    for step in steps:
+        files.check(entry, step.chunk)
+    storage = files.storage
+    if out is None:
+        out = torch.empty(box[1], dtype=dtype)
+    itemsize = dtype.itemsize
     for step in steps:
         chunk = step.chunk
         first, end = span(chunk.sizes, step.source)
@@ -116,12 +129,13 @@ def load(
     checkpoint_id = checkpoint_location(checkpoint_id, storage_reader, "load")
     storage = open_storage(checkpoint_id)
     meta = read_metadata(storage, checkpoint_id)
+    files = DataFiles(storage, checkpoint_id)
     expanded = expand_stateful(state_dict)
     missing = []
     for leaf in list(leaves(expanded)):
         entry = meta.tensors.get(leaf.key)
         if entry is not None:
-            _load_tensor(storage, leaf, entry)
+            _load_tensor(files, leaf, entry)
         elif leaf.key in meta.values:
             restore_value(leaf.key, leaf, meta.values[leaf.key])
         else:
@@ -135,10 +149,10 @@ def load(
     restore_stateful(state_dict, expanded)
 
 
-def _load_tensor(storage: Storage, leaf: Any, entry: TensorEntry) -> None:
+def _load_tensor(files: DataFiles, leaf: Any, entry: TensorEntry) -> None:
     value = leaf.value
     if not isinstance(value, torch.Tensor):
-        leaf.container[leaf.index] = read_box(storage, leaf.key, entry, ((0,) * len(entry.shape), entry.shape))
+        leaf.container[leaf.index] = read_box(files, leaf.key, entry, ((0,) * len(entry.shape), entry.shape))
         return
     if tuple(value.shape) != tuple(entry.shape):
         raise CheckpointError(
@@ -150,6 +164,6 @@ def _load_tensor(storage: Storage, leaf: Any, entry: TensorEntry) -> None:
         if box is None:
             local.zero_()
         elif local.device.type == "cpu" and local.is_contiguous():
-            read_box(storage, leaf.key, entry, box, out=local)
+            read_box(files, leaf.key, entry, box, out=local)
         else:
-            local.copy_(read_box(storage, leaf.key, entry, box))
+            local.copy_(read_box(files, leaf.key, entry, box))

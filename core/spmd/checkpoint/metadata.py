@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from spmd.errors import SpmdError
+
 FORMAT = "spmd-checkpoint"
 VERSION = 1
 METADATA_FILE = "metadata.json"
@@ -49,8 +51,8 @@ def is_data_dir(name: str) -> bool:
     return DATA_DIR.fullmatch(name) is not None
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, partial, or does not match the state dict it is loaded into."""
+class CheckpointError(SpmdError):
+    """A checkpoint is missing, partial, damaged or unsafe, or does not match the state dict it is loaded into."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -130,23 +132,7 @@ class Metadata:
 
     @classmethod
     def from_json(cls, data: bytes | bytearray | memoryview, where: str = "metadata.json") -> Metadata:
-        """Parse ``metadata.json``; an error names the file if it is not an spmd checkpoint."""
-        try:
-            doc = json.loads(bytes(data))
-        except ValueError as error:
-            raise CheckpointError(f"{where} is not valid JSON ({error}); the checkpoint is damaged") from None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise CheckpointError(f"{where} is not an spmd checkpoint's metadata (no \"format\": \"{FORMAT}\")")
-        if doc["version"] > VERSION:
-            raise CheckpointError(f"{where} has format version {doc['version']}; this spmd reads up to {VERSION}")
-        tensors = {
-            key: TensorEntry(
-                tuple(e["shape"]),
-                e["dtype"],
-                e.get("placements", ""),
-                [Chunk(tuple(c["offsets"]), tuple(c["sizes"]), c["file"], c["name"], c["begin"], c["end"])
-                 for c in e["chunks"]],
-            )
-            for key, e in doc["tensors"].items()
-        }
-        return cls(doc["data_dir"], tensors, doc["values"], doc.get("world_size", 1), doc["version"])
+        """Parse and validate ``metadata.json`` (untrusted input); an error names the file and the field."""
+        from spmd.checkpoint.schema import parse_metadata
+
+        return parse_metadata(data, where)

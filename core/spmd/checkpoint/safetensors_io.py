@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from spmd.checkpoint.metadata import dtype_name
+from spmd.checkpoint.metadata import CheckpointError, dtype_name
 from spmd.checkpoint.storage import Buffer, Storage
+from spmd.checkpoint.untrusted import strict_loads
 
 ALIGN = 8
+#: The largest safetensors header read (the safetensors library's own limit).
+MAX_HEADER_BYTES = 100 * 2**20
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -52,3 +56,19 @@ def tensor_from(buffer: Buffer, dtype: torch.dtype, shape: Sequence[int]) -> tor
     if isinstance(buffer, bytes):  # torch.frombuffer wants a writable buffer
         buffer = bytearray(buffer)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(tuple(shape))
+
+
+def read_header(storage: Storage, path: str, size: int, where: str) -> tuple[dict[str, Any], int]:
+    """The JSON header of the ``size``-byte safetensors file ``path`` and the offset of its data section."""
+    if size < 8:
+        raise CheckpointError(f"{where} is {size} bytes, too short for a safetensors file; the checkpoint is damaged")
+    (length,) = struct.unpack("<Q", bytes(storage.read(path, 0, 8)))
+    if length > min(MAX_HEADER_BYTES, size - 8):
+        raise CheckpointError(
+            f"{where}: its safetensors header claims {length} bytes, more than the file's {size - 8} or the "
+            f"{MAX_HEADER_BYTES} read; the checkpoint is damaged"
+        )
+    header = strict_loads(storage.read(path, 8, length), f"{where} (safetensors header)")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{where}: its safetensors header is not a JSON object; the checkpoint is damaged")
+    return header, 8 + length

@@ -24,7 +24,10 @@ class Storage:
     during ``async_save``; a Storage must be safe to use from one thread at a
     time per instance. ``write_atomic`` is the commit point: readers see the
     old content or the new, never a part. ``read`` reads a byte range, so a
-    rank that needs a slice of a shard reads only that slice.
+    rank that needs a slice of a shard reads only that slice. A checkpoint is
+    untrusted input: the read side (``read``, ``read_into``, ``size``) should
+    refuse a path that leaves the root, a symbolic link and anything but a
+    regular file, and never block (the builtin storages do).
     """
 
     def write(self, path: str, parts: Iterable[Buffer]) -> int:
@@ -38,6 +41,14 @@ class Storage:
     def read(self, path: str, offset: int = 0, length: int | None = None) -> Buffer:
         """``length`` bytes of ``path`` from ``offset`` (to the end when None)."""
         raise NotImplementedError
+
+    def size(self, path: str) -> int:
+        """The size of the regular file ``path``: an error if it is missing or not a regular file.
+
+        spmd calls it before reading a file a checkpoint names, to bound what it
+        reads; override it to ask without reading (this default reads the file).
+        """
+        return len(self.read(path))
 
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the bytes of ``path`` from ``offset`` (override to read without a copy)."""

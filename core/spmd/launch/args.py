@@ -7,6 +7,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+from spmd.launch.logs import TEMP_LOG_MIB, temp_log_bytes
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -35,6 +37,7 @@ class RunConfig:
     #: Signals the agent forwards to every worker before stopping the job (``--signals-to-handle``).
     signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     rdzv_token: str | None = None  # the job token: the store's keys live under a namespace derived from it
+    temp_log_bytes: int = TEMP_LOG_MIB << 20  # of each temp --tee log file (no --log-dir), the bytes kept
 
 
 def _nodes(text: str) -> tuple[int, int]:
@@ -204,4 +207,5 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         master_addr=ns.master_addr,
         signals=_signals(ns.signals_to_handle),
         rdzv_token=ns.rdzv_token or os.environ.get("SPMD_RDZV_TOKEN") or None,
+        temp_log_bytes=temp_log_bytes(),
     )

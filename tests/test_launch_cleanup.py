@@ -127,3 +127,48 @@ def test_tee_without_log_dir_keeps_a_bounded_tail_and_removes_it_at_exit(tmp_pat
     finally:
         console.close()
         _kill_all(agent, {})
+
+
+def test_an_orphan_that_exits_during_the_job_is_reaped(tmp_path):
+    """Orphans become the agent's children (subreaper), so it must reap them: none stays a zombie till the end."""
+    agent, _ = _start(tmp_path, str(SCRIPTS / "short_orphan.py"))
+    try:
+        _, err = agent.communicate(timeout=60)
+        assert agent.returncode == 0, err.decode()
+    finally:
+        _kill_all(agent, {})
+
+
+def test_a_rotating_log_holds_the_newest_bytes_within_its_bound(tmp_path):
+    """Written in chunks of every size, the two files together are the newest bytes: at least half the bound, at most all of it."""
+    import random
+
+    from spmd.launch.logs import RotatingLog
+
+    rng = random.Random(0)
+    written = b""
+    log = RotatingLog(tmp_path / "stdout.log", 1000)
+    for _ in range(300):
+        chunk = rng.randbytes(rng.choice([0, 1, 7, 499, 500, 501, 1000, 2500]))
+        log.write(chunk)
+        written += chunk
+        log.flush()
+        older = tmp_path / "stdout.log.1"
+        kept = (older.read_bytes() if older.exists() else b"") + (tmp_path / "stdout.log").read_bytes()
+        assert kept == written[len(written) - len(kept):] and len(kept) <= 1000
+        assert len(kept) >= min(500, len(written))
+    log.close()
+
+
+def test_a_bad_temp_log_bound_is_named(monkeypatch):
+    import argparse
+
+    from spmd.launch.args import build_parser, to_config
+
+    ns = build_parser(argparse.ArgumentParser()).parse_args(["x.py"])
+    for text in ("0", "-1", "lots"):
+        monkeypatch.setenv("SPMD_RUN_TEMP_LOG_MIB", text)
+        with pytest.raises(SystemExit, match=f"SPMD_RUN_TEMP_LOG_MIB='{text}': give the MiB"):
+            to_config(ns)
+    monkeypatch.setenv("SPMD_RUN_TEMP_LOG_MIB", "0.5")
+    assert to_config(ns).temp_log_bytes == 2**19

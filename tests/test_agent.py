@@ -33,6 +33,9 @@ class FakeGroup:
     def drain(self, timeout=10.0):
         pass
 
+    def workers_left(self):
+        return False
+
     def stop(self, signum=signal.SIGTERM):
         self.stopped.append(signum)
         self.on_stop()

@@ -11,19 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from launch_helpers import wait_for
+from launch_helpers import alive, clean_env, wait_for
 
 from spmd.testing.ports import free_port
 
 SCRIPTS = Path(__file__).parent / "launch_scripts"
 EXAMPLES = Path(__file__).parent.parent / "examples"
 SPMD = [sys.executable, "-m", "spmd"]
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")}
-    env.update(extra)
-    return env
 
 
 def reports(stdout: str) -> list[dict]:
@@ -119,14 +113,6 @@ def test_python_error_summary_shows_the_traceback():
     assert "ValueError" not in summary, summary
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize(("signum", "flags"), [(signal.SIGINT, []), (signal.SIGTERM, []), (signal.SIGHUP, []),
                                               (signal.SIGUSR1, ["--signals-to-handle", "SIGTERM,SIGUSR1"])])
 def test_signal_to_the_agent_reaches_every_worker(tmp_path, signum, flags):
@@ -140,7 +126,7 @@ def test_signal_to_the_agent_reaches_every_worker(tmp_path, signum, flags):
     _, err = agent.communicate(timeout=30)
     assert agent.returncode == 128 + signum
     assert f"received {signal.Signals(signum).name}" in err
-    wait_for(lambda: not any(_alive(p) for p in pids), 10, "workers to exit")
+    wait_for(lambda: not any(alive(p) for p in pids), 10, "workers to exit")
     assert [(tmp_path / f"got{r}").read_text() for r in (0, 1)] == [signal.Signals(signum).name] * 2
 
 
@@ -150,7 +136,7 @@ def test_kill_9_of_the_agent_leaves_no_orphan(tmp_path):
     pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
     agent.kill()
     agent.wait(timeout=10)
-    wait_for(lambda: not any(_alive(p) for p in pids), 10, "workers to die with their agent")
+    wait_for(lambda: not any(alive(p) for p in pids), 10, "workers to die with their agent")
 
 
 def _log_dirs(root, rdzv_id: str) -> list:
@@ -343,4 +329,4 @@ def test_a_failed_workers_helper_processes_are_stopped_with_the_job(tmp_path):
                          env=clean_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 3, out.stderr
     helpers = [int((tmp_path / f"helper{r}").read_text()) for r in (0, 1)]
-    wait_for(lambda: not any(_alive(p) for p in helpers), 10, "both ranks' helpers to be stopped")
+    wait_for(lambda: not any(alive(p) for p in helpers), 10, "both ranks' helpers to be stopped")

@@ -10,6 +10,11 @@ with the new world size without using up a restart. SIGINT/SIGTERM reach
 every worker, and every agent of the job. An agent that loses the store (the
 agent hosting it died) says so, stops its workers gracefully and exits 1.
 
+Under ``spmd run`` nothing the agent started outlives it (containment.py): at
+every exit it stops what its workers left running and removes its temp
+directories; if it is SIGKILLed, the kernel (PDEATHSIG) and its reaper process
+do that.
+
 Every agent reports the job's outcome, not only its own node's: an agent
 whose workers all exited 0 waits (at most ``--rdzv-timeout``) until every
 node's workers did. If a worker elsewhere fails meanwhile, it takes part in
@@ -22,6 +27,7 @@ restarted for a newcomer.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -36,6 +42,8 @@ import torch.distributed as tdist
 from spmd.comm.tcp_store import job_scope
 from spmd.errors import SpmdError
 from spmd.launch.args import RunConfig
+from spmd.launch.containment import Containment
+from spmd.launch.logs import make_log_root, temporary_logs
 from spmd.launch.rendezvous import (
     Membership,
     Rendezvous,
@@ -43,7 +51,7 @@ from spmd.launch.rendezvous import (
     free_port,
     local_address_towards,
 )
-from spmd.launch.workers import Failure, WorkerGroup, make_log_root
+from spmd.launch.workers import Failure, WorkerGroup
 
 
 class _Interrupted(Exception):
@@ -57,14 +65,22 @@ def _say(message: str) -> None:
 
 
 class Agent:
-    """One node's agent; ``run()`` returns the process exit code."""
+    """One node's agent; ``run()`` returns the process exit code.
 
-    def __init__(self, config: RunConfig) -> None:
+    ``contain``: make this process a subreaper and start a reaper process (containment.py), which
+    ``spmd run`` wants and a test running an agent inside its own process does not.
+    """
+
+    def __init__(self, config: RunConfig, contain: bool = False) -> None:
         self.config = config
         self.run_dir = Path(tempfile.mkdtemp(prefix=f"spmd-run-{config.rdzv_id}-"))
         if config.log_dir:
             Path(config.log_dir).mkdir(parents=True, exist_ok=True)
         self.log_root = make_log_root(config)
+        #: What the agent removes at exit (and its reaper, if the agent is killed): its own temp directories.
+        self.temp_dirs = [self.run_dir] + ([self.log_root] if self.log_root is not None and temporary_logs(config) else [])
+        self.contain = contain
+        self._containment: Containment | None = None
         self.group: WorkerGroup | None = None
         self.restarts = 0
 
@@ -92,18 +108,19 @@ class Agent:
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in self.config.signals}
         try:
+            if self.contain:
+                marker = f"TORCHELASTIC_ERROR_FILE={self.run_dir}{os.sep}"  # in every worker's environment (worker_env)
+                self._containment = Containment(marker, self.temp_dirs)
             return self._run()
         except _Interrupted as interrupted:
             name = signal.Signals(interrupted.signum).name
             _say(f"received {name}; stopping workers")
             self._publish_shutdown(f"agent on {socket.gethostname()} received {name}")
-            if self.group is not None:
-                self.group.stop(interrupted.signum)
+            self._stop_group(interrupted.signum)
             return 128 + interrupted.signum
         except SpmdError as error:
             _say(str(error))
-            if self.group is not None:
-                self.group.stop()
+            self._stop_group()
             return 1
         except tdist.DistError as error:  # from the store's client: the store, in another agent, is gone (or stuck)
             if isinstance(error, tdist.DistNetworkError):
@@ -111,12 +128,35 @@ class Agent:
             else:
                 what = (str(error).splitlines() or [type(error).__name__])[0]
             _say(f"lost the rendezvous store at {getattr(self, '_endpoint', '?')}: {what}")
-            if self.group is not None:
-                self.group.stop()
+            self._stop_group()
             return 1
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            self._clean_up()
+
+    def _stop_group(self, signum: int = signal.SIGTERM) -> None:
+        """Stop this round's workers (their process groups), then whatever else they left running."""
+        if self.group is None:
+            return
+        self.group.stop(signum)
+        if self._containment is not None:
+            self._containment.stop_leftovers(self.config.stop_grace, self.group.processes())
+            self._containment.forget(self.group.processes())
+
+    def _clean_up(self) -> None:
+        """At every exit: no worker, nor anything a worker started, runs on; the temp directories go."""
+        if self.group is not None and self.group.workers_left():
+            self.group.stop()  # (an exception no branch above expected)
+        if self._containment is not None:
+            self._containment.close(self.config.stop_grace, self.group.processes() if self.group is not None else None)
+        for folder in self.temp_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _reap(self) -> None:
+        """Reap adopted orphans that exited (this agent is their subreaper)."""
+        if self._containment is not None and self.group is not None:
+            self._containment.reap(self.group.processes())
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         raise _Interrupted(signum)
@@ -145,6 +185,8 @@ class Agent:
                 )
             self.group = WorkerGroup(c, membership, self.restarts, self.run_dir / f"round{round_}", self.log_root)
             self.group.start()
+            if self._containment is not None:
+                self._containment.register(self.group.processes())
             outcome, failure = self._monitor(rdzv, membership)
             if outcome == "done":
                 self.group.drain()  # every line the workers wrote reaches the console and the log files
@@ -153,7 +195,7 @@ class Agent:
                     return 0
             # (the reason is read before the grace period: the agent that sent it may take the store down meanwhile)
             reason = rdzv.shutdown_requested() if outcome == "shutdown" else None
-            self.group.stop()
+            self._stop_group()
             if outcome == "shutdown" and failure is None:
                 _say(f"job stopped: {reason}")
                 return 1
@@ -194,6 +236,7 @@ class Agent:
                 return "shutdown", _failure_of(rdzv, failed_key)
             if rdzv.store.check([join_key]) and membership.num_nodes < self.config.max_nodes and not int(rdzv.store.add(rdzv.key(round_, "done"), 0)):
                 return "join", None  # (not into a full round, nor once a node's workers finished: that job is ending)
+            self._reap()
             time.sleep(self.config.monitor_interval)
 
     def _await_job(self, rdzv: Rendezvous, round_: int, num_nodes: int, hosting: bool) -> tuple[str, Failure | None]:
@@ -224,6 +267,7 @@ class Agent:
                      f"{self.config.rdzv_timeout:.0f} s (--rdzv-timeout); exiting 0 without the job's outcome"
                      + (" (the rendezvous store this agent hosts goes with it)" if hosting else ""))
                 return "done", None
+            self._reap()
             time.sleep(self.config.monitor_interval)
         self._leave(rdzv, round_, num_nodes, hosting, self.config.rdzv_timeout)
         return "done", None
@@ -253,4 +297,4 @@ def run(config: RunConfig) -> int:
     """Run one node's share of the job; the return value is the exit code."""
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         _say(f"setting OMP_NUM_THREADS=1 for each of the {config.nproc_per_node} workers (set it yourself to override)")
-    return Agent(config).run()
+    return Agent(config, contain=True).run()

@@ -7,6 +7,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+from spmd.launch.logs import TEMP_LOG_MIB, temp_log_bytes
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -35,6 +37,7 @@ class RunConfig:
     #: Signals the agent forwards to every worker before stopping the job (``--signals-to-handle``).
     signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     rdzv_token: str | None = None  # the job token: the store's keys live under a namespace derived from it
+    temp_log_bytes: int = TEMP_LOG_MIB << 20  # of each temp --tee log file (no --log-dir), the bytes kept
 
 
 def _nodes(text: str) -> tuple[int, int]:
@@ -146,7 +149,8 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--redirects", "-r", default="0", help="send worker output only to --log-dir files: 0 none, 1 stdout, 2 stderr, 3 both")
     add("--tee", "-t", default="0", help="send worker output to --log-dir files and the console, prefixed by rank: 0-3")
     add("--log-dir", "--log_dir", default=None, help="where each run writes <rdzv-id>_<random>/attempt_N/<local rank>/{stdout,stderr}.log "
-        "for --tee/--redirects (default: the system's temp directory)")
+        "for --tee/--redirects (default: the system's temp directory, where --tee files keep their last $SPMD_RUN_TEMP_LOG_MIB "
+        f"MiB, default {TEMP_LOG_MIB}, and are removed at exit unless --redirects wrote there too)")
     add("--stop-grace", type=float, default=3.0, help="seconds between SIGTERM and SIGKILL when stopping workers")
     add("--master-addr", "--master_addr", default=None, help="as torchrun's static rendezvous: without --rdzv-endpoint, agents meet at MASTER_ADDR:MASTER_PORT, and workers get MASTER_ADDR")
     add("--master-port", "--master_port", type=int, default=None, help="see --master-addr (workers' MASTER_PORT is a free port node 0 picks: the agents' store holds this one, as torchrun's does)")
@@ -204,4 +208,5 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         master_addr=ns.master_addr,
         signals=_signals(ns.signals_to_handle),
         rdzv_token=ns.rdzv_token or os.environ.get("SPMD_RDZV_TOKEN") or None,
+        temp_log_bytes=temp_log_bytes(),
     )

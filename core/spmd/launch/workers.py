@@ -1,7 +1,8 @@
 """Start, watch and stop one node's worker processes.
 
 Workers get torchrun's environment, their own session (so a stop reaches
-their children too) and PR_SET_PDEATHSIG (so none outlives a killed agent).
+their children too) and PR_SET_PDEATHSIG (so none outlives a killed agent;
+containment.py has the rest of that story).
 Their stdout/stderr pass through reader threads, chunk by chunk as written:
 to the console (each line prefixed by rank under --tee), to per-rank log
 files, and into a short tail kept for the failure summary.
@@ -10,7 +11,6 @@ files, and into a short tail kept for the failure summary.
 from __future__ import annotations
 
 import collections
-import ctypes
 import functools
 import json
 import os
@@ -19,7 +19,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import IO
 
 from spmd.launch.args import RunConfig
+from spmd.launch.containment import die_with_agent
+from spmd.launch.logs import LogFile, open_log
 from spmd.launch.rendezvous import Membership
 
 TAIL_LINES = 40
@@ -39,15 +40,6 @@ READ_BYTES = 65536
 #: a worker's output into a pipe is flushed in 8 KiB blocks, and forwarding those as they come would
 #: mix the ranks' lines mid-line, while a progress bar or a prompt must still show.
 PARTIAL_LINE_S = 0.2
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL me when the agent dies (Linux prctl)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @dataclass
@@ -206,7 +198,7 @@ _LINE_END = re.compile(rb"[\r\n]")
 class _Sink:
     """Where one stream of one worker goes: console (maybe prefixed), a file, the tail."""
 
-    def __init__(self, console: IO[bytes] | None, prefix: bytes, log: IO[bytes] | None, tail: collections.deque | None) -> None:
+    def __init__(self, console: IO[bytes] | None, prefix: bytes, log: LogFile | None, tail: collections.deque | None) -> None:
         self.console, self.prefix, self.log, self.tail = console, prefix, log, tail
         self.prefixer = _Prefixer(prefix)
         self.line = b""  # the tail's line in progress: its last TAIL_LINE_BYTES
@@ -279,7 +271,7 @@ class _Sink:
             self.line = b""
         self.line = (self.line + rest)[-TAIL_LINE_BYTES:]
 
-    def _drop(self, closing: IO[bytes] | None, what: str, error: OSError) -> None:
+    def _drop(self, closing: LogFile | None, what: str, error: OSError) -> None:
         """Stop forwarding to a destination that failed, say so once on stderr (if it can), keep draining."""
         if closing is not None:
             try:
@@ -295,17 +287,6 @@ class _Sink:
 _CONSOLE_LOCK = threading.Lock()
 #: Seconds ``WorkerGroup.stop`` waits for workers to die after SIGKILL before it reports and leaves them.
 KILL_WAIT_S = 30.0
-
-
-def make_log_root(config: RunConfig) -> Path | None:
-    """This agent's log directory, made once per ``spmd run``: ``<--log-dir>/<rdzv_id>_<random>`` (as
-    torchrun's), so runs and nodes that share a --log-dir never overwrite each other's files; in the
-    system's temp directory without --log-dir. None when --tee and --redirects send nothing to files."""
-    if not any(config.tee.values()) and not any(config.redirects.values()):
-        return None
-    folder = Path(tempfile.mkdtemp(prefix=f"{config.rdzv_id}_", dir=config.log_dir))
-    print(f"spmd run: worker logs in {folder}/attempt_<restart>/<local rank>/{{stdout,stderr}}.log", file=sys.stderr, flush=True)
-    return folder
 
 
 class WorkerGroup:
@@ -327,7 +308,7 @@ class WorkerGroup:
             try:
                 proc = subprocess.Popen(
                     cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    start_new_session=True, preexec_fn=_die_with_parent,
+                    start_new_session=True, preexec_fn=die_with_agent(),
                 )
             except FileNotFoundError as error:
                 self.stop()
@@ -336,12 +317,12 @@ class WorkerGroup:
             self._wire(worker)
             self.workers.append(worker)
 
-    def _log_file(self, local_rank: int, name: str) -> IO[bytes] | None:
+    def _log_file(self, local_rank: int, name: str, redirected: bool) -> LogFile | None:
         if self.log_root is None:
             return None
         folder = self.log_root / f"attempt_{self.restart}" / str(local_rank)
         folder.mkdir(parents=True, exist_ok=True)
-        return open(folder / f"{name}.log", "wb")  # noqa: SIM115 - closed by the pump thread
+        return open_log(self.config, folder / f"{name}.log", redirected)
 
     def _wire(self, worker: Worker) -> None:
         tee, redirect = self.config.tee[worker.local_rank], self.config.redirects[worker.local_rank]
@@ -352,7 +333,7 @@ class WorkerGroup:
             sink = _Sink(
                 console if to_console else None,
                 prefix,
-                self._log_file(worker.local_rank, name) if to_file else None,
+                self._log_file(worker.local_rank, name, bool(redirect & bit)) if to_file else None,
                 worker.stderr_tail if name == "stderr" else None,
             )
             thread = threading.Thread(target=sink.pump, args=(stream,), daemon=True, name=f"spmd-{name}-{worker.rank}")
@@ -437,6 +418,14 @@ class WorkerGroup:
 
     def pids(self) -> Mapping[int, int]:
         return {w.rank: w.proc.pid for w in self.workers}
+
+    def workers_left(self) -> bool:
+        """Whether any worker of this group still runs."""
+        return any(w.proc.poll() is None for w in self.workers)
+
+    def processes(self) -> dict[int, subprocess.Popen]:
+        """The workers' processes by pid (each is the leader of its own process group)."""
+        return {w.proc.pid: w.proc for w in self.workers}
 
 
 def _error_file_message(path: Path) -> str:

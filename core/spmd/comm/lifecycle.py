@@ -22,6 +22,10 @@ from spmd.debug.recorder import Entry, recorder
 from spmd.debug.watchdog import adopt_announcements
 from spmd.errors import CollectiveDesyncError, CollectiveError, CollectiveTimeoutError
 
+#: Whether a call shape new to its group is compared across its ranks (before the op on Gloo, before its
+#: result is handed back elsewhere). Always on; benchmarks/mismatch_check_cost.py turns it off to time it.
+agree_first_calls = True
+
 
 class Unagreed:
     """A call shape new to its group, on a backend that survives a size mismatch (MPI, UCC, ...): its
@@ -101,7 +105,7 @@ def begin_sized(
     Returns what ``complete`` needs, or, for an async op whose cross-rank check
     ran out of time, the failed Work to hand the caller instead of submitting.
     """
-    if group.size > 1 and not desync.on:
+    if group.size > 1 and agree_first_calls and not desync.on:
         if len(tensors) == 1:
             shape: tuple = (op, tensors[0].shape, tensors[0].dtype, reduce_op, root)
         else:

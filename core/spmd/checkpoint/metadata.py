@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from spmd.errors import SpmdError
+
 FORMAT = "spmd-checkpoint"
 VERSION = 1
 METADATA_FILE = "metadata.json"
@@ -49,7 +51,7 @@ def is_data_dir(name: str) -> bool:
     return DATA_DIR.fullmatch(name) is not None
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(SpmdError):
     """A checkpoint is missing, partial, or does not match the state dict it is loaded into."""
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from spmd.comm import state
+from spmd.comm import state, teardown
 from spmd.comm.group import ProcessGroup, forget_group_names
 from spmd.comm.registry import backends, parse_backend_string
 from spmd.comm.store_join import await_arrivals, check_resolvable, client_store, host_store
@@ -241,12 +241,18 @@ init = init_process_group
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
-    """Tear down one group, or (with None) every group and the world; init may be called again."""
+    """Tear down one group, or (with None) every group and the world; init may be called again.
+
+    Tearing down the world first lets registered work finish on the groups
+    (``teardown``: a pending ``async_save`` is waited for, within the world's
+    timeout); if that work failed, its error is raised after the teardown.
+    """
     current = state.get_state()
     if group is None or group is current.world:
         from spmd import interop
         from spmd.debug import watchdog
 
+        unfinished = teardown.run_before_destroy(current.world.timeout_s)
         dog = watchdog.current()
         # the mismatch check looks once more: calls made since its last step would otherwise go unchecked
         disagreement = dog.final_check(FINAL_CHECK_S) if dog is not None else None
@@ -256,7 +262,9 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
             g.close()
         state.set_state(None)
         if disagreement is not None:
-            raise CollectiveDesyncError(f"destroy_process_group: {disagreement}")
+            raise CollectiveDesyncError(f"destroy_process_group: {disagreement}") from unfinished
+        if unfinished is not None:
+            raise unfinished
         return
     group.close()
     current.groups.pop(group.name, None)

@@ -19,6 +19,7 @@ commits and the other fails.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -29,6 +30,8 @@ from typing import Any
 
 from spmd.checkpoint.metadata import CheckpointError
 from spmd.checkpoint.storage import Storage, open_storage
+
+log = logging.getLogger("spmd.checkpoint")
 
 CLAIM_FILE = ".save-claim.json"
 #: Seconds without a heartbeat after which a claim held from another machine is taken over.
@@ -79,6 +82,8 @@ class Holder:
     started: str
     time: float
     heartbeat: float
+    #: The data directory the holder's save writes (a takeover leaves it alone: the holder may only be frozen).
+    data_dir: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -97,25 +102,33 @@ class Holder:
         return (f"job {self.job or '(no run id)'}, host {host}, pid {self.pid}, since "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.time))}, last heartbeat {age:.0f} s ago")
 
+    def dead(self) -> str | None:
+        """Why the holder is certainly gone (its process on this machine no longer exists), else None."""
+        if self.machine != machine():
+            return None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return f"its process {self.pid} on this host is gone"
+        except PermissionError:  # alive, another user's
+            pass
+        if self.started and _process_start(self.pid) not in ("", self.started):
+            return f"its pid {self.pid} now belongs to another process"
+        return None
+
     def stale(self, ttl: float) -> str | None:
         """Why the holder is gone (so its claim may be taken over), or None if it may still be saving."""
-        if self.machine == machine():
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return f"its process {self.pid} on this host is gone"
-            except PermissionError:  # alive, another user's
-                pass
-            if self.started and _process_start(self.pid) not in ("", self.started):
-                return f"its pid {self.pid} now belongs to another process"
+        dead = self.dead()
+        if dead is not None:
+            return dead
         age = time.time() - self.heartbeat
         return f"its last heartbeat was {age:.0f} s ago (more than the {ttl:.0f} s TTL)" if age > ttl else None
 
 
-def _new_holder() -> Holder:
+def _new_holder(data_dir: str) -> Holder:
     now = time.time()
     job = os.environ.get("SPMD_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
-    return Holder(uuid.uuid4().hex, job, machine(), os.getpid(), _process_start(os.getpid()), now, now)
+    return Holder(uuid.uuid4().hex, job, machine(), os.getpid(), _process_start(os.getpid()), now, now, data_dir)
 
 
 def read_holder(storage: Storage, path: str = CLAIM_FILE) -> Holder | None:
@@ -129,9 +142,12 @@ def read_holder(storage: Storage, path: str = CLAIM_FILE) -> Holder | None:
 class Claim:
     """A held claim on one checkpoint id: ``verify`` before the commit, ``release`` after (or on failure)."""
 
-    def __init__(self, storage: Storage, url: str, holder: Holder, ttl: float) -> None:
+    def __init__(self, storage: Storage, url: str, holder: Holder, ttl: float, spared: tuple[str, ...] = ()) -> None:
         self.storage = storage
         self.holder = holder
+        #: Data directories of the saves this claim took over: this save's commit does not remove them (a holder
+        #: frozen between its last check and its commit may still name one); a later commit does.
+        self.spared = spared
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, args=(url, ttl / 4), name="spmd-checkpoint-claim",
                                       daemon=True)
@@ -170,13 +186,15 @@ class Claim:
             pass
 
 
-def take(storage: Storage, url: str) -> Claim:
-    """Claim ``url`` for one save, taking over a stale claim; ``CheckpointInUseError`` if a live save holds it."""
+def take(storage: Storage, url: str, data_dir: str = "") -> Claim:
+    """Claim ``url`` for the save that writes ``data_dir``, taking over a stale claim; ``CheckpointInUseError`` if
+    a live save holds it."""
     ttl = claim_ttl()
-    holder = _new_holder()
+    holder = _new_holder(data_dir)
+    spared: tuple[str, ...] = ()
     for _ in range(3):  # a claim that disappears between the create and the read is looked at again
         if storage.create_exclusive(CLAIM_FILE, holder.to_json()):
-            return Claim(storage, url, holder, ttl)
+            return Claim(storage, url, holder, ttl, spared)
         current = read_holder(storage)
         if current is None:
             time.sleep(0.2)  # on a storage whose create shows an empty file first, its writer is still writing
@@ -190,8 +208,11 @@ def take(storage: Storage, url: str) -> Claim:
             raise CheckpointInUseError(
                 f"checkpoint {url!r} is being saved by another writer ({current.describe()}); two savers of one id "
                 f"would delete each other's data. Save to another checkpoint_id, or wait for that save; if that job "
-                f"is dead on another host, its claim ({CLAIM_FILE}) expires {claim_ttl():.0f} s after its last "
+                f"is dead on another host, its claim ({CLAIM_FILE}) expires {ttl:.0f} s after its last "
                 f"heartbeat (SPMD_CHECKPOINT_CLAIM_TTL), or remove the file"
             )
-        storage.remove(CLAIM_FILE)  # the holder is gone: take over
+        log.warning("checkpoint %r: taking over the claim of a save that is gone (%s; %s)", url, current.describe(), why)
+        if current.data_dir and current.dead() is None:  # perhaps only frozen: its data stays until a later commit
+            spared += (current.data_dir,)
+        storage.remove(CLAIM_FILE)
     raise CheckpointInUseError(f"checkpoint {url!r}: could not claim it for saving ({CLAIM_FILE} kept changing)")

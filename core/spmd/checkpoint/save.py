@@ -134,10 +134,11 @@ def prepare(state_dict: Mapping[str, Any], checkpoint_id: str, ranks: Ranks, sta
     job = SaveJob(str(checkpoint_id), "", WritePlan({}, {}))
     try:
         descs, local, values = _describe(state_dict, ranks.rank)
+        data_dir = f"{DATA_PREFIX}{uuid.uuid4().hex[:12]}"
         if ranks.rank == 0:
             job.storage = open_storage(job.checkpoint_id)
-            job.claim = take(job.storage, job.checkpoint_id)
-        mine = (f"{DATA_PREFIX}{uuid.uuid4().hex[:12]}", descs)
+            job.claim = take(job.storage, job.checkpoint_id, data_dir)
+        mine = (data_dir, descs)
     except CheckpointInUseError as error:
         local_error, mine = error, Refusal(str(error), in_use=True)
     except Exception as error:  # noqa: BLE001 - reported to every rank, then raised
@@ -221,7 +222,7 @@ def _execute(job: SaveJob, ranks: Ranks, storage: Storage | None) -> Metadata | 
             metadata, commit_error = None, f"rank 0 committing {METADATA_FILE}: {type(error).__name__}: {error}"
             _discard(storage, job)
         else:  # committed: the new metadata names job.data_dir, so nothing after this may remove it
-            _remove_superseded(storage, job.data_dir)
+            _remove_superseded(storage, job.data_dir, job.claim.spared if job.claim is not None else ())
             job.release()
             checkpoint_id = job.checkpoint_id
             run_later(lambda: sweep_siblings(checkpoint_id))
@@ -267,10 +268,10 @@ def _exchange_failed(job: SaveJob, ranks: Ranks, storage: Storage | None, error:
     ) from error
 
 
-def _remove_superseded(storage: Storage, data_dir: str) -> None:
-    """Hand the older saves' data directories to the background cleanup; a failure leaves them to the next save."""
+def _remove_superseded(storage: Storage, data_dir: str, spared: tuple[str, ...] = ()) -> None:
+    """Hand the older saves' data directories (not ``spared``) to the background cleanup; a failure leaves them to the next save."""
     try:
-        remove_later(storage, [n for n in storage.listdir() if is_data_dir(n) and n != data_dir])
+        remove_later(storage, [n for n in storage.listdir() if is_data_dir(n) and n != data_dir and n not in spared])
     except Exception:  # noqa: BLE001 - the save is committed; garbage that stays goes at the next commit
         pass
 

@@ -6,6 +6,7 @@ import atexit
 import logging
 import os
 import signal
+import sys
 import threading
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -231,9 +232,22 @@ def _start_debugging(store: tdist.Store, rank: int, trace_dir: str | os.PathLike
 
 
 def _close_at_exit() -> None:
-    """Close backends before the interpreter tears down (native threads abort otherwise)."""
+    """Close backends before the interpreter tears down (native threads abort otherwise).
+
+    A teardown that fails with a named error (the last desync check, a pending
+    ``async_save`` that failed) would only be printed as ignored in an atexit
+    callback, with exit status 0: it is printed and the process exits with 1.
+    """
     if state.is_initialized():
-        destroy_process_group()
+        try:
+            destroy_process_group()
+        except SpmdError as error:
+            print(f"spmd: the teardown at exit failed, exiting with status 1: {type(error).__name__}: {error}",
+                  file=sys.stderr)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
 
 #: The short name spmd recommends; identical to ``init_process_group``.

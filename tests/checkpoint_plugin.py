@@ -67,6 +67,18 @@ class FailingStorage(FileStorage):
         return super().write(path, parts)
 
 
+class FullStorage(FileStorage):
+    """The file storage on a full disk: every safetensors write fails (on every rank, or in a process alone)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url[len("full://") :])
+
+    def write(self, path: str, parts: Iterable[Buffer]) -> int:
+        if path.endswith(".safetensors"):
+            raise OSError(28, "No space left on device (simulated)")
+        return super().write(path, parts)
+
+
 class DyingStorage(FileStorage):
     """The file storage, except that rank 1 dies (``os._exit``) half-way through its safetensors write."""
 
@@ -142,6 +154,7 @@ def spmd_storages() -> list[StorageSpec]:
         StorageSpec(("flat",), FlatStorage, name="flat", description="test: one flat directory"),
         StorageSpec(("failing",), FailingStorage, name="failing", description="test: rank 1's writes fail"),
         StorageSpec(("dying",), DyingStorage, name="dying", description="test: rank 1 dies while writing"),
+        StorageSpec(("full",), FullStorage, name="full", description="test: every safetensors write fails"),
         StorageSpec(("slow",), SlowStorage, name="slow", description="test: every safetensors write waits"),
         StorageSpec(("held",), HeldStorage, name="held", description="test: the commit waits for a go file"),
         StorageSpec(("killed",), KilledStorage, name="killed", description="test: the process dies while writing"),

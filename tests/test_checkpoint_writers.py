@@ -207,6 +207,14 @@ def test_an_async_save_is_whole_after_destroy_or_the_job_exits_non_zero(tmp_path
         assert outputs.count("CheckpointError") >= 2 and _lines(outputs, "end") == 0, outputs
 
 
+def test_a_process_alone_whose_async_save_failed_unasked_exits_1(tmp_path):
+    """Without spmd.init (no teardown to raise): the atexit hook prints the failure and exits with status 1."""
+    alone = _writer("async-alone", str(tmp_path / "ckpt"))
+    out, err = alone.communicate(timeout=60)
+    assert alone.returncode == 1 and _lines(out, "end") == 1, (out, err)
+    assert "failed and its future was never asked; exiting with status 1" in err and "No space left" in err, err
+
+
 def test_a_commit_is_reported_on_every_rank_when_rank_0_dies_right_after_it(tmp_path):
     """Rank 0 commits metadata.json and is killed before the ranks' last exchange: rank 1 finds the commit and
     returns normally (it used to raise although the save was complete)."""

@@ -2,6 +2,7 @@
 
     python checkpoint_writer.py hold PATH SEED            # one process: save through held://PATH (its commit waits for PATH.go)
     python checkpoint_writer.py killed PATH SEED          # one process: killed half-way through writing its data
+    python checkpoint_writer.py async-alone PATH          # one process: an async_save that fails, then the end
     python checkpoint_writer.py commit-dies BACKEND PATH  # 2 ranks: rank 0 dies right after its commit
     python checkpoint_writer.py async BACKEND PATH MODE   # 2 ranks: async_save then MODE (see below)
 
@@ -30,6 +31,9 @@ if mode in ("hold", "killed"):
         print(f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     print("saved", flush=True)
+elif mode == "async-alone":
+    dcp.async_save(h.writer_state(1), checkpoint_id=f"full://{sys.argv[2]}")
+    print("end", flush=True)
 elif mode == "commit-dies":
     backend, path = sys.argv[2], sys.argv[3]
     spmd.init(backend)

@@ -81,6 +81,21 @@ def test_a_second_saver_of_one_id_fails_at_once_and_the_first_commits_whole(spmd
     assert h.same_state(h.load_writer_state(beside), h.writer_state(4))
 
 
+def test_fsspec_storages_claim_with_create_if_absent(tmp_path):
+    """Through fsspec (memory://): a save while the id is claimed fails; once released, it saves and loads."""
+    pytest.importorskip("fsspec")
+    from spmd.checkpoint.claim import take
+
+    url = f"memory://{tmp_path.name}/ckpt"
+    claim = take(dcp.open_storage(url), url)
+    with pytest.raises(dcp.CheckpointInUseError, match="being saved by another writer"):
+        dcp.save(h.writer_state(1), checkpoint_id=url)
+    claim.release()
+    dcp.save(h.writer_state(1), checkpoint_id=url)
+    assert h.same_state(h.load_writer_state(url), h.writer_state(1))
+    assert CLAIM_FILE not in dcp.open_storage(url).listdir()
+
+
 def test_a_dead_savers_claim_is_taken_over_and_its_data_removed(tmp_path):
     """A process killed mid-save leaves its claim and data; the next save of that id (same host, pid gone) takes
     the claim over, commits, and its commit removes the dead save's data."""

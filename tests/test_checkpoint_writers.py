@@ -213,13 +213,16 @@ def test_an_async_save_is_whole_after_destroy_or_the_job_exits_non_zero(tmp_path
         assert sorted(os.listdir(path)) == [_committed_dir(path), METADATA_FILE]
         return
     assert all(code != 0 for code, _, _ in ranks), outputs
-    assert outputs.count("No space left on device (simulated)") >= 2, outputs  # named, on every rank
+    # every rank names the failure; under mpiexec (one exit code for the job) the first rank to exit non-zero
+    # makes MPICH's launcher kill the other, which may not have printed yet
+    named = 1 if backend == "mpi" else 2
+    assert outputs.count("No space left on device (simulated)") >= named, outputs
     assert _lines(outputs, "destroyed") == 0 and not os.path.exists(os.path.join(path, METADATA_FILE))
     if how == "failing-exit":
-        assert outputs.count("exiting with status 1") == 2 and _lines(outputs, "end") == 2, outputs
-        assert outputs.count("failed (its future was never asked)") == 2, outputs
+        assert outputs.count("exiting with status 1") >= named and _lines(outputs, "end") == 2, outputs
+        assert outputs.count("failed (its future was never asked)") >= named, outputs
     else:
-        assert outputs.count("CheckpointError") >= 2 and _lines(outputs, "end") == 0, outputs
+        assert outputs.count("CheckpointError") >= named and _lines(outputs, "end") == 0, outputs
 
 
 def test_a_process_alone_whose_async_save_failed_unasked_exits_1(tmp_path):

@@ -431,3 +431,33 @@ def load_small_on_two(path: str, secret: bytes) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     held = state["w"].to_local().contiguous().numpy().tobytes() + state["ids"].numpy().tobytes()
     return {"error": error, "seconds": seconds, "secret_seen": secret[:8] in held}
+
+
+# -- writers: one per checkpoint id, no save lost (test_checkpoint_writers.py) ------------------------------
+
+
+def writer_state(seed: int) -> dict[str, Any]:
+    """A small state that tells saves apart: two tensors (one writer each on 2 ranks) and the seed as the step."""
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(6, 4, generator=g), "y": torch.randn(9, generator=g), "step": seed}
+
+
+def load_writer_state(path: str) -> dict[str, Any]:
+    """Load a ``writer_state`` checkpoint into zeros (one process, plain tensors)."""
+    state = {"x": torch.zeros(6, 4), "y": torch.zeros(9), "step": -1}
+    dcp.load(state, checkpoint_id=path)
+    return state
+
+
+def same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two ``writer_state`` dicts hold equal tensors and steps."""
+    return torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"]) and a["step"] == b["step"]
+
+
+def save_or_error(path: str, seed: int) -> str:
+    """Save ``writer_state(seed)`` on every rank; the error's type and message, or "saved"."""
+    try:
+        dcp.save(writer_state(seed), checkpoint_id=path)
+    except dcp.CheckpointError as error:
+        return f"{type(error).__name__}: {error}"
+    return "saved"

@@ -314,12 +314,13 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(spmd_world, tm
     path = str(tmp_path / "killed")
     with pytest.raises(AssertionError):  # the world reports the dead rank (and rank 0's failed exchange)
         spmd_world(2, "gloo").run(h.save_then_die, path, f"dying://{path}", timeout=90)
-    data = [n for n in os.listdir(path) if n.startswith("data-")]
-    assert len(data) == 2  # the killed save's data stays until the next save; it is never committed
+    # rank 0's exchange with the dead rank fails: it rolls the save back (its data directory and its claim go)
+    committed = json.loads(pathlib.Path(path, METADATA_FILE).read_text())["data_dir"]
+    assert sorted(os.listdir(path)) == [committed, METADATA_FILE]
     state = {"x": torch.zeros(8), "y": torch.zeros(8), "step": 0}
     dcp.load(state, checkpoint_id=path)
     assert state["step"] == 1 and torch.equal(state["x"], torch.arange(8.0))
-    dcp.save(state, checkpoint_id=path)  # the next complete save removes the leftovers (in the background)
+    dcp.save(state, checkpoint_id=path)  # the id is free again: no claim was left behind
     cleanup.wait()
     assert len([n for n in os.listdir(path) if n.startswith("data-")]) == 1
 

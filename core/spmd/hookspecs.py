@@ -149,6 +149,10 @@ def spmd_storages() -> Iterable[Any]:
       and anything but a regular file, and never block.
     - ``exists(path)``, ``listdir(path="") -> names``, ``remove(path)``
       (a file or a tree; missing is fine).
+    - optionally ``create_exclusive(path, data) -> bool``: create a file only
+      if it is absent (``O_EXCL``, a conditional put); rank 0 takes the save's
+      claim on the id with it. The default (check, write, read back) works on
+      the methods above but is not atomic.
 
     Each rank writes only its own files; rank 0 writes ``metadata.json`` last,
     with ``write_atomic``, then removes older ``data-*`` directories. During

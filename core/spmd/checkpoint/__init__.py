@@ -16,6 +16,7 @@ torch's names spmd lacks raise ``NotYetInSpmdError`` with the closest spmd way.
 
 from spmd._mirror import missing_names
 from spmd.checkpoint.async_save import SaveFuture, async_save
+from spmd.checkpoint.claim import CheckpointInUseError
 from spmd.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from spmd.checkpoint.load import load
 from spmd.checkpoint.metadata import CheckpointError, Metadata
@@ -38,6 +39,7 @@ CheckpointException = CheckpointError
 __all__ = [
     "CheckpointError",
     "CheckpointException",
+    "CheckpointInUseError",
     "FileSystemReader",
     "FileSystemWriter",
     "Metadata",

@@ -5,16 +5,23 @@ own) and the copy of the chunks this rank writes; the writing, the exchange
 of outcomes and the commit run in one background thread over that private
 group, so they never interleave with the training's collectives. The next
 save (sync or async) and every load wait for the previous async save.
+
+No save is lost silently: ``destroy_process_group`` waits for a pending save
+(within the world's timeout) before it closes the groups the save exchanges
+on, and raises if the save failed or did not finish; a process that exits
+with a failed save nobody asked about exits with status 1.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -25,6 +32,7 @@ from spmd.checkpoint.ranks import private_ranks
 from spmd.checkpoint.save import execute, prepare
 from spmd.checkpoint.stateful import expand_stateful
 from spmd.checkpoint.storage import checkpoint_location
+from spmd.comm.teardown import register_before_destroy
 
 
 class SaveFuture:
@@ -86,18 +94,27 @@ _stager = Stager()
 _lock = threading.Lock()
 
 
-def wait_pending() -> None:
+def wait_pending(timeout: float | None = None) -> None:
     """Wait for the previous async save to finish; if it failed and nobody asked its future, raise its error here.
 
     A training loop that calls ``async_save`` every N steps and never looks at
     the futures still learns of a failed save: at the next save or load, on
     every rank (a failed save fails on every rank), instead of at the restart
-    that finds the checkpoint missing. At exit, such a failure is printed.
+    that finds the checkpoint missing. ``timeout``: seconds to wait, then
+    ``CheckpointError`` (the save goes on; it is reported as unfinished).
     """
     pending = _pending
     if pending is None:
         return
-    pending._future.exception()  # wait for it, without counting as asked
+    try:
+        pending._future.exception(timeout)  # wait for it, without counting as asked
+    except FutureTimeout:
+        pending.observed = True
+        raise CheckpointError(
+            f"the async_save to {pending.checkpoint_id!r} is still running after {timeout:.0f} s; tearing down the "
+            "process group now would make it fail. Wait for its future (future.result()) before "
+            "destroy_process_group, or raise the group's timeout (spmd.init(timeout=...), SPMD_TIMEOUT)"
+        ) from None
     error = pending.unasked_error()
     if error is not None:
         pending.observed = True
@@ -105,14 +122,30 @@ def wait_pending() -> None:
                               f"asked): {error}") from error
 
 
+def _finish_before_destroy(timeout_s: float) -> None:
+    """``destroy_process_group``'s wait: the pending save finishes on the groups it uses, or a named error says why not."""
+    wait_pending(timeout_s)
+
+
+register_before_destroy(_finish_before_destroy)
+
+
 @atexit.register
-def _report_unobserved_failure() -> None:
-    """At exit (the save thread has been joined by then), print a failed async save nobody asked about."""
+def _exit_non_zero_on_unobserved_failure() -> None:
+    """At exit (the save thread has been joined by then), a failed async save nobody asked about: print it, exit 1.
+
+    atexit cannot change the exit status otherwise; ``os._exit`` skips the
+    handlers registered before this one (logging's is flushed here first).
+    """
     pending = _pending
     error = pending.unasked_error() if pending is not None else None
     if pending is not None and error is not None:
         print(f"spmd.checkpoint: the last async_save to {pending.checkpoint_id!r} failed and its future was never "
-              f"asked: {error}", file=sys.stderr)
+              f"asked; exiting with status 1: {error}", file=sys.stderr)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def async_save(
@@ -140,8 +173,12 @@ def async_save(
         ranks = private_ranks(process_group)
         checkpoint_id = checkpoint_location(checkpoint_id, storage_writer, "async_save")
         job = prepare(expand_stateful(state_dict), checkpoint_id, ranks, stage=_stager)
-        _stager.synchronize()
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spmd-async-save")
-        _pending = SaveFuture(_executor.submit(execute, job, ranks), str(checkpoint_id))
+        try:
+            _stager.synchronize()
+            if _executor is None:
+                _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spmd-async-save")
+            _pending = SaveFuture(_executor.submit(execute, job, ranks), str(checkpoint_id))
+        except BaseException:
+            job.release()  # execute never runs: drop rank 0's claim on the id now
+            raise
         return _pending

@@ -1,4 +1,4 @@
-"""Removal of superseded data directories in the background, after the commit that superseded them.
+"""Removal of superseded and abandoned data directories in the background, after the commit that made them garbage.
 
 Once rank 0 has replaced ``metadata.json``, the data of older saves at that
 checkpoint id is garbage; deleting it (hundreds of MB of unlinks) need not
@@ -12,43 +12,54 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 from spmd.checkpoint.storage import Storage
 
-_queue: queue.Queue[tuple[Storage, list[str]]] = queue.Queue()
+_queue: queue.Queue[Callable[[], object]] = queue.Queue()
 _worker: threading.Thread | None = None
 _lock = threading.Lock()
 
 
 def _run() -> None:
-    """Remove until nothing is queued, then end (so the interpreter's exit waits only for real work)."""
+    """Run tasks until nothing is queued, then end (so the interpreter's exit waits only for real work)."""
     global _worker
     while True:
         with _lock:
             if _queue.empty():
                 _worker = None
                 return
-            storage, names = _queue.get()
+            task = _queue.get()
         try:
-            for name in names:
-                try:
-                    storage.remove(name)
-                except Exception:  # noqa: BLE001 - garbage that stays is removed by the next save's commit
-                    pass
+            task()
+        except Exception:  # noqa: BLE001 - garbage that stays is removed by the next save's commit
+            pass
         finally:
             _queue.task_done()
 
 
-def remove_later(storage: Storage, names: list[str]) -> None:
-    """Remove ``names`` (top-level entries of ``storage``) in the background thread."""
+def run_later(task: Callable[[], object]) -> None:
+    """Run ``task`` (a removal that may list and delete a lot) in the background thread."""
     global _worker
-    if not names:
-        return
     with _lock:
-        _queue.put((storage, names))
+        _queue.put(task)
         if _worker is None:
             _worker = threading.Thread(target=_run, name="spmd-checkpoint-cleanup")
             _worker.start()
+
+
+def remove_later(storage: Storage, names: list[str]) -> None:
+    """Remove ``names`` (top-level entries of ``storage``) in the background thread."""
+    if names:
+        run_later(lambda: _remove_each(storage, names))
+
+
+def _remove_each(storage: Storage, names: list[str]) -> None:
+    for name in names:
+        try:
+            storage.remove(name)
+        except Exception:  # noqa: BLE001 - garbage that stays is removed by the next save's commit
+            pass
 
 
 def wait() -> None:

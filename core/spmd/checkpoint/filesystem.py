@@ -122,6 +122,43 @@ class FileStorage(Storage):
     def local_path(self, path: str) -> str | None:
         return self._path(path)
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Write a temporary file, then hard-link it to ``path``: the name appears with its whole content or not at all."""
+        target = self._path(path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        temporary = f"{target}.{uuid.uuid4().hex}.tmp"
+        try:
+            with open(temporary, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(temporary, target)
+            except FileExistsError:
+                return False
+            except OSError:  # a file system without hard links: O_EXCL (a reader may see it empty for a moment)
+                return self._create_excl(target, data)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+        _fsync_directory(os.path.dirname(target))
+        return True
+
+    @staticmethod
+    def _create_excl(target: str, data: bytes) -> bool:
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
 
 @hookimpl
 def spmd_storages() -> list[StorageSpec]:

@@ -100,6 +100,18 @@ class FsspecStorage(Storage):
         if self.fs.exists(target):
             self.fs.rm(target, recursive=True)
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        target = self._path(path)
+        self.fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        try:
+            with self.fs.open(target, "xb") as f:  # local, memory, and object stores with conditional puts
+                f.write(data)
+        except FileExistsError:
+            return False
+        except (ValueError, NotImplementedError):  # a file system without mode "x": the generic check
+            return super().create_exclusive(path, data)
+        return True
+
 
 @hookimpl
 def spmd_storages() -> list[StorageSpec]:

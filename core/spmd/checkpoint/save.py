@@ -6,11 +6,14 @@ the tensors this rank writes (for ``async_save``: copies into staging
 buffers). ``execute`` writes this rank's safetensors file under a fresh data
 directory, exchanges the outcome, and rank 0 commits by replacing
 ``metadata.json`` atomically, then hands the data of older saves to the
-background remover (``cleanup``).
+background remover (``cleanup``). Rank 0 holds the id's claim (``claim``)
+from before the plan's exchange until after the commit, so a second saver
+of the same id fails at once instead of deleting this one's data.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable, Mapping
@@ -19,8 +22,10 @@ from typing import Any
 
 import torch
 
-from spmd.checkpoint.cleanup import remove_later
+from spmd.checkpoint.claim import CheckpointInUseError, Claim, take
+from spmd.checkpoint.cleanup import remove_later, run_later
 from spmd.checkpoint.flatten import json_value, leaves
+from spmd.checkpoint.leftovers import sweep_siblings
 from spmd.checkpoint.metadata import (
     DATA_PREFIX,
     METADATA_FILE,
@@ -44,6 +49,9 @@ from spmd.checkpoint.ranks import Ranks
 from spmd.checkpoint.safetensors_io import write_file
 from spmd.checkpoint.stateful import expand_stateful
 from spmd.checkpoint.storage import Storage, checkpoint_location, open_storage
+from spmd.errors import first_line
+
+log = logging.getLogger("spmd.checkpoint")
 
 #: ``stage(key, box, local) -> cpu tensor``: how the data to write is taken (sync: as is; async: a staging copy).
 Stage = Callable[[str, Box, torch.Tensor], torch.Tensor]
@@ -61,6 +69,23 @@ class SaveJob:
     #: Why this rank could not stage its data (out of memory copying to CPU...): its outcome in ``execute``,
     #: so every rank fails the save at once instead of waiting for this one.
     failed: str | None = None
+    #: Rank 0's claim on the checkpoint id (held until the commit or the rollback) and the storage it took it on.
+    claim: Claim | None = None
+    storage: Storage | None = None
+
+    def release(self) -> None:
+        """Drop the claim (rank 0; a no-op elsewhere and after the first call)."""
+        claim, self.claim = self.claim, None
+        if claim is not None:
+            claim.release()
+
+
+@dataclass
+class Refusal:
+    """A rank's answer in the plan's exchange when it cannot take part: why, and whether another save holds the id."""
+
+    text: str
+    in_use: bool = False
 
 
 def _local_data(tensor: torch.Tensor) -> torch.Tensor:
@@ -97,29 +122,49 @@ def _describe(state_dict: Mapping[str, Any], rank: int) -> tuple[list[TensorDesc
 
 
 def prepare(state_dict: Mapping[str, Any], checkpoint_id: str, ranks: Ranks, stage: Stage = as_is) -> SaveJob:
-    """Flatten, agree on the plan (one exchange), and take the data this rank writes.
+    """Flatten, claim the id (rank 0), agree on the plan (one exchange), and take the data this rank writes.
 
     A rank whose state dict cannot be saved (a value that is not JSON, a dtype
-    safetensors lacks) says so in the exchange, so every rank raises instead
-    of the others waiting for it.
+    safetensors lacks), or a rank 0 that finds the id claimed by another
+    save, says so in the exchange, so every rank raises instead of the
+    others waiting for it.
     """
     mine: Any
     local_error: Exception | None = None
+    job = SaveJob(str(checkpoint_id), "", WritePlan({}, {}))
     try:
         descs, local, values = _describe(state_dict, ranks.rank)
-        mine = (f"{DATA_PREFIX}{uuid.uuid4().hex[:12]}", descs)
+        data_dir = f"{DATA_PREFIX}{uuid.uuid4().hex[:12]}"
+        if ranks.rank == 0:
+            job.storage = open_storage(job.checkpoint_id)
+            job.claim = take(job.storage, job.checkpoint_id, data_dir)
+        mine = (data_dir, descs)
+    except CheckpointInUseError as error:
+        local_error, mine = error, Refusal(str(error), in_use=True)
     except Exception as error:  # noqa: BLE001 - reported to every rank, then raised
-        local_error, mine = error, f"rank {ranks.rank}: {type(error).__name__}: {error}"
-    gathered = ranks.gather(mine)
-    refused = [g for g in gathered if isinstance(g, str)]
+        local_error, mine = error, Refusal(f"rank {ranks.rank}: {type(error).__name__}: {error}")
+    try:
+        gathered = ranks.gather(mine)
+    except BaseException:
+        job.release()
+        raise
+    refused = [g for g in gathered if isinstance(g, Refusal)]
     if refused:
+        job.release()
         if local_error is not None and ranks.size == 1:
             raise local_error
-        raise CheckpointError(f"save to {checkpoint_id!r} refused, nothing written: {'; '.join(refused)}") from local_error
-    plan = plan_writes([d for _, d in gathered])
-    job = SaveJob(str(checkpoint_id), gathered[0][0], plan, values=values)
+        if any(r.in_use for r in refused):
+            raise CheckpointInUseError(next(r.text for r in refused if r.in_use)) from local_error
+        text = "; ".join(r.text for r in refused)
+        raise CheckpointError(f"save to {checkpoint_id!r} refused, nothing written: {text}") from local_error
     try:
-        for key, box in plan.chunks_of(ranks.rank):
+        job.plan = plan_writes([d for _, d in gathered])
+    except BaseException:
+        job.release()
+        raise
+    job.data_dir, job.values = gathered[0][0], values
+    try:
+        for key, box in job.plan.chunks_of(ranks.rank):
             job.tensors.append((key, box, stage(key, box, local[key])))
     except Exception as error:  # noqa: BLE001 - reported to every rank by execute, then raised
         job.tensors.clear()
@@ -133,7 +178,19 @@ def data_file(data_dir: str, rank: int) -> str:
 
 
 def execute(job: SaveJob, ranks: Ranks, storage: Storage | None = None) -> Metadata | None:
-    """Write this rank's file, exchange outcomes, commit on rank 0; every rank raises if any rank failed."""
+    """Write this rank's file, exchange outcomes, commit on rank 0; every rank raises if any rank failed.
+
+    A commit that happened is reported as one on every rank: a rank whose
+    exchange fails (a peer died) looks at ``metadata.json``, and if it names
+    this save, the save is committed and returns normally.
+    """
+    try:
+        return _execute(job, ranks, storage if storage is not None else job.storage)
+    finally:
+        job.release()
+
+
+def _execute(job: SaveJob, ranks: Ranks, storage: Storage | None) -> Metadata | None:
     path = data_file(job.data_dir, ranks.rank)
     outcome: Any = job.failed
     if outcome is None:
@@ -143,7 +200,11 @@ def execute(job: SaveJob, ranks: Ranks, storage: Storage | None = None) -> Metad
             outcome = write_file(storage, path, named) if named else {}
         except Exception as error:  # noqa: BLE001 - reported to every rank, then raised
             outcome = f"rank {ranks.rank} writing {path}: {type(error).__name__}: {error}"
-    outcomes = ranks.gather(outcome)
+    try:
+        outcomes = ranks.gather(outcome)
+    except Exception as error:
+        _exchange_failed(job, ranks, storage, error)
+        return None
     failures = [o for o in outcomes if isinstance(o, str)]
     metadata = None
     commit_error = None
@@ -154,13 +215,26 @@ def execute(job: SaveJob, ranks: Ranks, storage: Storage | None = None) -> Metad
         assert storage is not None
         try:
             metadata = _metadata(job, outcomes)
+            if job.claim is not None:
+                job.claim.verify()  # another saver took the id over: committing would name data it may delete
             storage.write_atomic(METADATA_FILE, metadata.to_json())
         except Exception as error:  # noqa: BLE001 - reported to every rank, then raised
-            commit_error = f"rank 0 committing {METADATA_FILE}: {type(error).__name__}: {error}"
+            metadata, commit_error = None, f"rank 0 committing {METADATA_FILE}: {type(error).__name__}: {error}"
             _discard(storage, job)
         else:  # committed: the new metadata names job.data_dir, so nothing after this may remove it
-            _remove_superseded(storage, job.data_dir)
-    committed = ranks.gather(commit_error)
+            _remove_superseded(storage, job.data_dir, job.claim.spared if job.claim is not None else ())
+            job.release()
+            checkpoint_id = job.checkpoint_id
+            run_later(lambda: sweep_siblings(checkpoint_id))
+    try:
+        committed = ranks.gather(commit_error)
+    except Exception as error:
+        if metadata is not None:  # rank 0 committed; a peer that died since cannot undo that
+            log.warning("save to %r committed; the ranks' last exchange failed after it: %s", job.checkpoint_id,
+                        first_line(error))
+            return metadata
+        _exchange_failed(job, ranks, storage, error)
+        return None
     failures += [c for c in committed if c]
     if failures:
         raise CheckpointError(
@@ -170,10 +244,34 @@ def execute(job: SaveJob, ranks: Ranks, storage: Storage | None = None) -> Metad
     return metadata
 
 
-def _remove_superseded(storage: Storage, data_dir: str) -> None:
-    """Hand the older saves' data directories to the background cleanup; a failure leaves them to the next save."""
+def is_committed(storage: Storage | None, job: SaveJob) -> bool:
+    """Whether ``metadata.json`` at the job's checkpoint names the job's data directory (its commit happened)."""
     try:
-        remove_later(storage, [n for n in storage.listdir() if is_data_dir(n) and n != data_dir])
+        storage = storage if storage is not None else open_storage(job.checkpoint_id)
+        return Metadata.from_json(storage.read(METADATA_FILE)).data_dir == job.data_dir
+    except Exception:  # noqa: BLE001 - no readable metadata naming this save: not committed
+        return False
+
+
+def _exchange_failed(job: SaveJob, ranks: Ranks, storage: Storage | None, error: Exception) -> None:
+    """The ranks could not exchange outcomes (a peer died or gave up): return if rank 0's commit is there, else raise."""
+    if is_committed(storage, job):
+        log.warning("save to %r: rank %d lost its peers (%s), but rank 0's commit is there: the save is complete",
+                    job.checkpoint_id, ranks.rank, first_line(error))
+        return
+    if ranks.rank == 0:
+        _discard(storage, job)
+    raise CheckpointError(
+        f"save to {job.checkpoint_id!r} failed on rank {ranks.rank}: the exchange between the ranks failed "
+        f"({type(error).__name__}: {first_line(error)}) and {METADATA_FILE} does not name this save, so the last "
+        "complete checkpoint there, if any, is unchanged; save again once every rank is up"
+    ) from error
+
+
+def _remove_superseded(storage: Storage, data_dir: str, spared: tuple[str, ...] = ()) -> None:
+    """Hand the older saves' data directories (not ``spared``) to the background cleanup; a failure leaves them to the next save."""
+    try:
+        remove_later(storage, [n for n in storage.listdir() if is_data_dir(n) and n != data_dir and n not in spared])
     except Exception:  # noqa: BLE001 - the save is committed; garbage that stays goes at the next commit
         pass
 

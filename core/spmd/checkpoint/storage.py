@@ -70,6 +70,21 @@ class Storage:
         """A local file-system path for ``path`` if there is one (tools may open it directly), else None."""
         return None
 
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` with ``data`` only if it does not exist; False if it does (a save's claim uses this).
+
+        Optional: this default, built on ``exists``, ``write_atomic`` and
+        ``read``, is not atomic against a writer that checks at the same
+        instant (both may see True); spmd re-reads the claim before it
+        commits, so one of two such savers still fails instead of both
+        committing. Override it with the storage's own create-if-absent
+        (``O_EXCL``, a conditional put) to make the check exact.
+        """
+        if self.exists(path):
+            return False
+        self.write_atomic(path, data)
+        return bytes(self.read(path)) == data
+
 
 @dataclass(frozen=True)
 class StorageSpec:

@@ -6,6 +6,7 @@ import atexit
 import logging
 import os
 import signal
+import sys
 import threading
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from spmd.comm import state
+from spmd.comm import state, teardown
 from spmd.comm.group import ProcessGroup, forget_group_names
 from spmd.comm.registry import backends, parse_backend_string
 from spmd.comm.store_join import await_arrivals, check_resolvable, client_store, host_store
@@ -231,9 +232,22 @@ def _start_debugging(store: tdist.Store, rank: int, trace_dir: str | os.PathLike
 
 
 def _close_at_exit() -> None:
-    """Close backends before the interpreter tears down (native threads abort otherwise)."""
+    """Close backends before the interpreter tears down (native threads abort otherwise).
+
+    A teardown that fails with a named error (the last desync check, a pending
+    ``async_save`` that failed) would only be printed as ignored in an atexit
+    callback, with exit status 0: it is printed and the process exits with 1.
+    """
     if state.is_initialized():
-        destroy_process_group()
+        try:
+            destroy_process_group()
+        except SpmdError as error:
+            print(f"spmd: the teardown at exit failed, exiting with status 1: {type(error).__name__}: {error}",
+                  file=sys.stderr)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
 
 
 #: The short name spmd recommends; identical to ``init_process_group``.
@@ -241,12 +255,18 @@ init = init_process_group
 
 
 def destroy_process_group(group: ProcessGroup | None = None) -> None:
-    """Tear down one group, or (with None) every group and the world; init may be called again."""
+    """Tear down one group, or (with None) every group and the world; init may be called again.
+
+    Tearing down the world first lets registered work finish on the groups
+    (``teardown``: a pending ``async_save`` is waited for, within the world's
+    timeout); if that work failed, its error is raised after the teardown.
+    """
     current = state.get_state()
     if group is None or group is current.world:
         from spmd import interop
         from spmd.debug import watchdog
 
+        unfinished = teardown.run_before_destroy(current.world.timeout_s)
         dog = watchdog.current()
         # the mismatch check looks once more: calls made since its last step would otherwise go unchecked
         disagreement = dog.final_check(FINAL_CHECK_S) if dog is not None else None
@@ -256,7 +276,9 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
             g.close()
         state.set_state(None)
         if disagreement is not None:
-            raise CollectiveDesyncError(f"destroy_process_group: {disagreement}")
+            raise CollectiveDesyncError(f"destroy_process_group: {disagreement}") from unfinished
+        if unfinished is not None:
+            raise unfinished
         return
     group.close()
     current.groups.pop(group.name, None)

@@ -1,6 +1,6 @@
 """One writer per checkpoint id: the claim file a save takes before it writes anything, and drops after.
 
-Rank 0 creates ``.save-claim.json`` at the checkpoint's root with
+Rank 0 creates ``save-claim.json`` at the checkpoint's root with
 ``Storage.create_exclusive``; a second saver of the same id (another job, or
 another process) finds it and fails at once with ``CheckpointInUseError``
 naming the holder, instead of the two deleting each other's data. The claim
@@ -33,7 +33,7 @@ from spmd.checkpoint.storage import Storage, open_storage
 
 log = logging.getLogger("spmd.checkpoint")
 
-CLAIM_FILE = ".save-claim.json"
+CLAIM_FILE = "save-claim.json"
 #: Seconds without a heartbeat after which a claim held from another machine is taken over.
 DEFAULT_TTL = 120.0
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from spmd.checkpoint.filesystem import FileStorage
-from spmd.checkpoint.metadata import CheckpointError
+from spmd.checkpoint.metadata import CheckpointError, CheckpointFileMissing
 from spmd.checkpoint.storage import ANY_SCHEME, Buffer, Storage, StorageSpec
 from spmd.checkpoint.untrusted import check_range, check_relative
 from spmd.markers import hookimpl
@@ -63,7 +63,7 @@ class FsspecStorage(Storage):
         try:
             info = self.fs.info(where)
         except FileNotFoundError:
-            raise CheckpointError(f"{where} does not exist; the checkpoint is incomplete or damaged") from None
+            raise CheckpointFileMissing(f"{where} does not exist; the checkpoint is incomplete or damaged") from None
         if info.get("type") != "file" or info.get("islink") or type(info.get("size")) is not int:
             raise CheckpointError(f"{where} is not a regular file (fsspec says {info.get('type')!r}); refused")
         return int(info["size"])

@@ -14,7 +14,7 @@ import os
 import stat
 from collections.abc import Sequence
 
-from spmd.checkpoint.metadata import CheckpointError
+from spmd.checkpoint.metadata import CheckpointError, CheckpointFileMissing
 from spmd.checkpoint.untrusted import check_range
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -41,7 +41,7 @@ def _refused(where: str, what: str) -> CheckpointError:
 
 
 def _missing(where: str) -> CheckpointError:
-    return CheckpointError(f"{where} does not exist; the checkpoint is incomplete or damaged")
+    return CheckpointFileMissing(f"{where} does not exist; the checkpoint is incomplete or damaged")
 
 
 def _open_at(dir_fd: int, name: str, flags: int, where: str) -> int:

@@ -55,6 +55,11 @@ class CheckpointError(SpmdError):
     """A checkpoint is missing, partial, damaged or unsafe, or does not match the state dict it is loaded into."""
 
 
+class CheckpointFileMissing(CheckpointError, FileNotFoundError):
+    """A file a checkpoint names does not exist: a CheckpointError for its readers, and a FileNotFoundError
+    (the Storage contract's "not there") for code that probes for a file, such as a save's claim."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The safetensors name of ``dtype``, or an error naming the dtypes that can be stored."""
     try:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -52,6 +51,7 @@ from tqdm import tqdm
 
 import spmd
 from spmd import Replicate
+from spmd.launch.console import console_is_terminal
 from spmd.parallel import (
     ColwiseParallel,
     DistributedDataParallel,
@@ -289,8 +289,9 @@ def main() -> None:
               flush=True)
 
     tokens_per_step = replicas * args.batch_size * args.context
-    # the bar only on a terminal: in a log file its redraws are noise; the --log-every lines print either way
-    bar = tqdm(total=args.steps, disable=not (leader and sys.stderr.isatty()), unit="step", dynamic_ncols=True)
+    # the bar only on a terminal (spmd run's too, which pipes our output to it): in a log file its redraws are
+    # noise; the --log-every lines print either way
+    bar = tqdm(total=args.steps, disable=not (leader and console_is_terminal()), unit="step", dynamic_ncols=True)
     first_loss = last_loss = float("nan")
     first_step = checkpointing.resume(args, model, optimizer, generator)
     bar.update(first_step)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO
 
 from spmd.launch.args import RunConfig
+from spmd.launch.console import CONSOLE_VARIABLE, agent_console_is_terminal
 from spmd.launch.containment import die_with_agent
 from spmd.launch.logs import LogFile, open_log
 from spmd.launch.rendezvous import Membership
@@ -137,6 +138,10 @@ def worker_env(config: RunConfig, m: Membership, local_rank: int, restart: int, 
         env["SPMD_STORE_PREFIX"] = f"spmd/job/{config.rdzv_id}/round{m.round}"
     if config.rdzv_token:
         env["SPMD_RDZV_TOKEN"] = config.rdzv_token  # spmd.init scopes the job's keys with it, as the agents do
+    if agent_console_is_terminal():  # workers write into pipes: tell them a terminal shows what they write
+        env[CONSOLE_VARIABLE] = "1"
+    else:
+        env.pop(CONSOLE_VARIABLE, None)  # (an outer spmd run's, not this console's)
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun: ranks sharing a node must not oversubscribe it
     return env

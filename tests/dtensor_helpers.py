@@ -401,3 +401,41 @@ def redistributed_tensors_own_their_data() -> dict[str, Any]:
     except ValueError as error:
         out["uneven"] = str(error)
     return out
+
+
+def rules_registered_and_removed_at_run_time() -> list[str]:
+    """An op dispatched without a rule (the fallback keeps the shard), then with a rule a plugin registers at
+    run time (replicate: a replicated result), then after that plugin is unregistered: each dispatch
+    uses the rules in force at its time (the rule memo and plan caches follow ``plugins.generation``)."""
+    import types
+    import warnings
+
+    from spmd.plugins import manager
+    from spmd.tensor.rule import replicate_rule
+
+    if not _LATE_LIBRARY:
+        lib = torch.library.Library("spmd_late_rule", "DEF")
+        lib.define("double(Tensor x) -> Tensor")
+        lib.impl("double", lambda x: x * 2, "CPU")
+        torch.library.register_fake("spmd_late_rule::double", lambda x: torch.empty_like(x), lib=lib)
+        _LATE_LIBRARY.append(lib)
+    op = torch.ops.spmd_late_rule.double.default
+    mesh = spmd.init_device_mesh("cpu", (spmd.get_world_size(),))
+    x = spmd.distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+    seen = []
+    plugin = types.ModuleType("spmd_late_rules")
+    plugin.spmd_sharding_rules = spmd.hookimpl(lambda: {op: replicate_rule})  # type: ignore[attr-defined]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the fallback's once-per-op warning)
+        for step in ("before", "registered", "unregistered"):
+            if step == "registered":
+                manager().register(plugin, name="late-rules")
+            elif step == "unregistered":
+                manager().unregister(plugin)
+            y = op(x)
+            assert torch.equal(y.full_tensor(), torch.arange(8.0).reshape(4, 2) * 2)
+            seen.append(f"{step}: {y.placements}")
+    return seen
+
+
+_LATE_LIBRARY: list[Any] = []

@@ -102,3 +102,8 @@ def test_redistributed_tensors_own_their_data_and_uneven_from_local_fails_run_ch
     for r in spmd_world(2, "gloo").run(h.redistributed_tensors_own_their_data, timeout=60):
         assert r["Shard(dim=0)"] and r["Partial(sum)"], r
         assert "different global shapes" in r["uneven"] and "pass shape=" in r["uneven"], r["uneven"]
+
+
+def test_a_rule_registered_or_removed_at_run_time_applies_to_an_op_already_dispatched(spmd_world):
+    for seen in spmd_world(2, "gloo").run(h.rules_registered_and_removed_at_run_time):
+        assert seen == ["before: (Shard(dim=0),)", "registered: (Replicate(),)", "unregistered: (Shard(dim=0),)"], seen

@@ -96,6 +96,7 @@ class PluginManager(pluggy.PluginManager):
         registered = super().register(plugin, name)
         if registered is None:
             return None
+        _changed()
         for caller in self.get_hookcallers(plugin) or ():
             for impl in caller.get_hookimpls():
                 if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
@@ -103,6 +104,12 @@ class PluginManager(pluggy.PluginManager):
                     # (computed from the original at registration) stay what pluggy passes.
                     setattr(impl, "function", _guarded(self, caller.name, impl.plugin_name, impl.function))  # noqa: B010
         return registered
+
+    def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
+        """pluggy's ``unregister``; every cache of hook results forgets what the plugin gave."""
+        removed = super().unregister(plugin, name)
+        _changed()
+        return removed
 
     def call_hook(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
         """Call one hook through pluggy; return (plugin name, result) for every non-None result.
@@ -256,6 +263,15 @@ def _has_dist(name: str) -> bool:
 _manager: PluginManager | None = None
 _lock = threading.Lock()
 
+#: A token that changes whenever the set of plugins does (loaded, reset, registered or unregistered at
+#: run time): every cache of what the hooks returned compares it by identity, one attribute read per use.
+generation: object = object()
+
+
+def _changed() -> None:
+    global generation
+    generation = object()
+
 
 def manager() -> PluginManager:
     """The loaded PluginManager: builtins, then entry points. Loads lazily, once per process."""
@@ -280,17 +296,17 @@ class HookTable(Generic[T]):
 
     def __init__(self, build: Callable[[PluginManager], T]) -> None:
         self._build = build
-        self._cache: tuple[tuple[object, int], T] | None = None
+        self._cache: tuple[object, T] | None = None
         self._lock = threading.Lock()
 
     def get(self) -> T:
         pm = manager()
-        key = (pm, len(pm.get_plugins()))
+        key = generation
         cached = self._cache
-        if cached is None or cached[0] != key:
+        if cached is None or cached[0] is not key:
             with self._lock:
                 cached = self._cache
-                if cached is None or cached[0] != key:
+                if cached is None or cached[0] is not key:
                     cached = self._cache = (key, self._build(pm))
         return cached[1]
 
@@ -300,12 +316,8 @@ class HookTable(Generic[T]):
 
 
 def reset() -> None:
-    """Forget the loaded plugins and registries (tests, or after installing a plugin)."""
+    """Forget the loaded plugins (tests, or after installing a plugin): every registry rebuilds on next use."""
     global _manager
-    from spmd.checkpoint import storage as checkpoint_storage
-    from spmd.comm import registry
-
     with _lock:
         _manager = None
-    registry.reset()
-    checkpoint_storage.reset()
+        _changed()

@@ -172,7 +172,7 @@ def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         override = overrides.get(func)
         if override is not None:
             return override(*args, **kwargs)
-    key = _direct_key(func, args) if not kwargs and _cached_for is plugins._manager else None
+    key = _direct_key(func, args) if not kwargs and _cached_for is plugins.generation else None
     if key is not None:
         try:
             plan = _direct.get(key)  # hashes the key once
@@ -198,10 +198,10 @@ def dispatch_by_rule(func: torch._ops.OpOverload, args: tuple, kwargs: dict, rul
 def _dispatch_planned(func: torch._ops.OpOverload, args: tuple, kwargs: dict, rule: Any) -> tuple[Any, Plan | None]:
     """``dispatch_by_rule``, also returning the plan it used (None: a decomposition or no meta kernel)."""
     global _cached_for
-    if _cached_for is not plugins._manager:  # plugins (re)loaded: rules may have changed
+    if _cached_for is not plugins.generation:  # plugins (re)loaded: rules may have changed
         _cache.clear()
         _direct.clear()
-        _cached_for = plugins._manager
+        _cached_for = plugins.generation
     if rule is None:
         rule = registry.lookup(func)
     if type(rule) is Decompose:

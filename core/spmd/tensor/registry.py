@@ -46,15 +46,15 @@ def lookup(op: torch._ops.OpOverload) -> Any:
     global _resolved_for
     from spmd import plugins
 
-    if _resolved_for is not plugins._manager:  # plugins were (re)loaded: resolve afresh
+    if _resolved_for is not plugins.generation:  # plugins were (re)loaded: resolve afresh
         _resolved.clear()
-        _resolved_for = plugins._manager
+        _resolved_for = plugins.generation
     try:
         return _resolved[op]
     except KeyError:
         pass
     rules = _tables()[0]
-    _resolved_for = plugins._manager
+    _resolved_for = plugins.generation
     rule = rules.get(op)
     if rule is None:
         rule = rules.get(op.overloadpacket)

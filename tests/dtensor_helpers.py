@@ -439,3 +439,23 @@ def rules_registered_and_removed_at_run_time() -> list[str]:
 
 
 _LATE_LIBRARY: list[Any] = []
+
+
+def meshes_made_without_a_mesh() -> dict[str, bool]:
+    """distribute_tensor, DTensor.from_local, distribute_module and fully_shard without a mesh: one default mesh
+    per world (each call made a new mesh, with new groups, before)."""
+    from torch import nn
+
+    from spmd.fsdp import fully_shard
+    from spmd.tensor import distribute_module
+
+    a = spmd.distribute_tensor(torch.ones(4, 2), placements=[Shard(0)])
+    b = spmd.distribute_tensor(torch.ones(4, 2), placements=[Replicate()])
+    c = DTensor.from_local(torch.ones(2, 2), placements=[Shard(0)])
+    module = distribute_module(nn.Linear(2, 2))
+    sharded = fully_shard(nn.Linear(4, 4))
+    return {
+        "tensors": a.device_mesh is b.device_mesh is c.device_mesh,
+        "module": module.weight.device_mesh is a.device_mesh,
+        "fsdp": sharded.weight.device_mesh is a.device_mesh,
+    }

@@ -107,3 +107,8 @@ def test_redistributed_tensors_own_their_data_and_uneven_from_local_fails_run_ch
 def test_a_rule_registered_or_removed_at_run_time_applies_to_an_op_already_dispatched(spmd_world):
     for seen in spmd_world(2, "gloo").run(h.rules_registered_and_removed_at_run_time):
         assert seen == ["before: (Shard(dim=0),)", "registered: (Replicate(),)", "unregistered: (Shard(dim=0),)"], seen
+
+
+def test_calls_without_a_mesh_share_the_worlds_default_mesh(spmd_world):
+    for seen in spmd_world(2, "gloo").run(h.meshes_made_without_a_mesh):
+        assert seen == {"tensors": True, "module": True, "fsdp": True}, seen

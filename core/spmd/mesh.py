@@ -266,6 +266,25 @@ def ensure_world() -> None:
         init_process_group()
 
 
+#: The default 1-D mesh per device type, and the world group it was made in: every DTensor, module and
+#: FSDP unit made without a mesh shares its groups (one backend connection set, not one per call); a new
+#: world (after destroy_process_group and init) gets a new mesh.
+_default_meshes: dict[str, tuple[ProcessGroup, DeviceMesh]] = {}
+
+
+def default_mesh(device_type: str) -> DeviceMesh:
+    """The 1-D mesh over the whole world for ``device_type``: what ``distribute_tensor``, ``fully_shard`` and
+    the other mesh-taking calls use when given none (made once per world)."""
+    from spmd.comm.state import resolve_group
+
+    world = resolve_group(None)
+    cached = _default_meshes.get(device_type)
+    if cached is None or cached[0] is not world:
+        with torch.device("cpu"):  # the mesh's rank grid, even inside ``with torch.device("meta")``
+            cached = _default_meshes[device_type] = (world, init_device_mesh(device_type, (get_world_size(),)))
+    return cached[1]
+
+
 def _from_backend_override(
     override: Mapping[int | str, Any], names: Sequence[str] | None, ndim: int
 ) -> dict[str, str]:

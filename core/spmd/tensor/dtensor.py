@@ -250,10 +250,10 @@ def distribute_tensor(
 
 
 def _default_mesh(tensor: torch.Tensor) -> DeviceMesh:
-    from spmd.comm.init import get_world_size
-    from spmd.mesh import init_device_mesh
+    """The world's default mesh for ``tensor``'s device type (``spmd.mesh.default_mesh``: one per world)."""
+    from spmd.mesh import default_mesh
 
-    return init_device_mesh(tensor.device.type, (get_world_size(),))
+    return default_mesh(tensor.device.type)
 
 
 def _check_shapes_across_ranks(local: torch.Tensor, spec: DTensorSpec) -> None:

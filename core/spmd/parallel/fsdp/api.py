@@ -8,11 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from spmd.comm.group import ProcessGroup
-from spmd.comm.init import get_world_size
 from spmd.comm.state import resolve_group
 from spmd.errors import SpmdError
-from spmd.mesh import DeviceMesh, ensure_world, init_device_mesh
+from spmd.mesh import DeviceMesh, default_mesh, ensure_world
 from spmd.parallel.fsdp.module import fsdp_class
 from spmd.parallel.fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from spmd.parallel.fsdp.root import UNIT_ATTR, FSDPRoot, unit_of
@@ -102,7 +100,7 @@ def fully_shard(
         # as torch's (_init_default_mesh): without a world yet, join the job first -- the launcher's
         # environment, or the world torch.distributed.init_process_group made (spmd then reuses its store)
         ensure_world()
-        mesh = _default_mesh(_device_type(modules))
+        mesh = default_mesh(_device_type(modules))
     if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
         reshard = reshard_after_forward is not False
     elif isinstance(reshard_after_forward, int):
@@ -147,21 +145,6 @@ def _device_type(modules: list[nn.Module]) -> str:
     if accelerator is not None and (backends is None or accelerator.type in backends):
         return accelerator.type
     return "cpu"
-
-
-#: The default 1-D mesh per device type, and the world group it was made in: every unit sharded
-#: without mesh= shares its groups (one backend connection set, not one per unit); a new world
-#: (after destroy_process_group and init) gets a new mesh.
-_default_meshes: dict[str, tuple[ProcessGroup, DeviceMesh]] = {}
-
-
-def _default_mesh(device: str) -> DeviceMesh:
-    world = resolve_group(None)
-    cached = _default_meshes.get(device)
-    if cached is None or cached[0] is not world:
-        with torch.device("cpu"):  # the mesh's rank grid, even inside ``with torch.device("meta")``
-            cached = _default_meshes[device] = (world, init_device_mesh(device, (get_world_size(),)))
-    return cached[1]
 
 
 def _managed_parameters(

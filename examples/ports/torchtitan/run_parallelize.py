@@ -64,6 +64,10 @@ def full_grad(param: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=("none", "tp", "fsdp", "tp_fsdp"), required=True)
@@ -96,6 +100,9 @@ def main() -> None:
     row = {
         "rank": rank,
         "mode": mode,
+        # how the parallelism laid the parameters out: how many are DTensors, and one weight's local shard
+        "dtensor_params": sum(isinstance(p, DTensor) for p in params.values()),
+        "wq_local_shape": list(local(params["layers.0.attention.wq.weight"]).shape),
         "loss": reported.item(),
         "grad_norms": {name: grads[name].norm().item() for name in REPORTED},
         "total_grad_norm": math.sqrt(sum(g.double().pow(2).sum().item() for g in grads.values())),

@@ -23,7 +23,7 @@ counterpart). The driver passes ``enable_async_tp=False``, so neither side reach
 The driver is run_parallelize.py (its own ``# port:`` lines: ``torch.distributed`` as ``dist``,
 ``init_device_mesh``, ``DTensor``). The older commit is used because torchtitan's newest llama3 spreads
 these functions over torchtitan.distributed and a shared decoder. Each launch takes 5-17 s on an idle two-core
-machine (the four-rank ones the longest), the file about a minute (80 s of CPU time; 3.5 minutes measured at a load
+machine (the four-rank ones the longest), the file about a minute (90 s of CPU time; 3.5 minutes measured at a load
 average of 10-20).
 """
 

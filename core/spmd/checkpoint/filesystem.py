@@ -28,6 +28,22 @@ def _fsync_directory(path: str) -> None:
         os.close(fd)
 
 
+def _synced_temporary(target: str, data: bytes) -> str:
+    """``data`` on disk in a new temporary file beside ``target`` (its directory made if need be); its path."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    temporary = f"{target}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # a full disk: no half-written temporary left behind
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    return temporary
+
+
 class FileStorage(Storage):
     """A checkpoint in a local (or mounted) directory; writes go through ``os.write`` and ``fsync``, reads through ``os.preadv``.
 
@@ -58,13 +74,8 @@ class FileStorage(Storage):
 
     def write_atomic(self, path: str, data: bytes) -> None:
         target = self._path(path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        temporary = f"{target}.{uuid.uuid4().hex}.tmp"
+        temporary = _synced_temporary(target, data)
         try:
-            with open(temporary, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             os.replace(temporary, target)
             _fsync_directory(os.path.dirname(target))  # the commit itself survives a power loss
         finally:
@@ -125,13 +136,8 @@ class FileStorage(Storage):
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Write a temporary file, then hard-link it to ``path``: the name appears with its whole content or not at all."""
         target = self._path(path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        temporary = f"{target}.{uuid.uuid4().hex}.tmp"
+        temporary = _synced_temporary(target, data)
         try:
-            with open(temporary, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             try:
                 os.link(temporary, target)
             except FileExistsError:

@@ -237,8 +237,8 @@ def _rows_as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def device_choice(options: Mapping[str, object], binding: Binding) -> tuple[dict[str, str], str]:
     """The ``create_device`` arguments Gloo gets and why: the user's interface, else the kernel's binding.
 
-    ``GLOO_SOCKET_IFNAME`` (torch's variable) or the group option ``gloo_interface``
-    wins; otherwise Gloo binds to the address this node reaches the job's store
+    ``GLOO_SOCKET_IFNAME`` (torch's variable; ``spmd run`` sets it towards the store
+    unless the user did) or the group option ``gloo_interface`` wins; otherwise Gloo binds to the address this node reaches the job's store
     from (``spmd.comm.address``), not to whatever this host's name resolves to
     (often 127.0.1.1 in containers, which the other nodes cannot reach). An
     empty result means Gloo's default device (a loopback or file-store job).
@@ -246,7 +246,7 @@ def device_choice(options: Mapping[str, object], binding: Binding) -> tuple[dict
     interface = options.get("gloo_interface") or os.environ.get("GLOO_SOCKET_IFNAME")
     if interface:
         source = "group option gloo_interface" if options.get("gloo_interface") else "GLOO_SOCKET_IFNAME"
-        return {"interface": str(interface)}, f"interface {interface} ({source}, the user's override)"
+        return {"interface": str(interface)}, f"interface {interface} ({source}, which wins: the user's, or `spmd run`'s towards the store)"
     if binding.address is not None:
         return {"hostname": binding.address}, f"{binding.address} on {binding.interface or 'an unnamed interface'} ({binding.reason})"
     return {}, f"Gloo's default (this host's name) because {binding.reason}"

@@ -101,6 +101,17 @@ def test_the_binding_on_a_node_is_its_address_towards_the_store_not_its_hostname
     assert out.stdout.split() == ["node1", "127.0.1.1", node1.address, node1.interface]
 
 
+def test_doctor_shows_where_each_backend_binds_and_why(spmd_hosts):
+    hosts = spmd_hosts(2)
+    node0, node1 = hosts.nodes
+    env = run_env() | {"MASTER_ADDR": node0.address, "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "2"}
+    out = node1.run([*SPMD, "doctor"], env=env, timeout=60)
+    assert f"network: the job's store at {node0.address}:29500; this node: {node1.address} on {node1.interface}" in out.stdout, out.stdout
+    assert f"gloo binds to: {node1.address} on {node1.interface} (the address this node reaches the job's store" in out.stdout
+    out = node1.run([*SPMD, "doctor"], env=env | {"GLOO_SOCKET_IFNAME": node1.interface}, timeout=60)
+    assert f"gloo binds to: interface {node1.interface} (GLOO_SOCKET_IFNAME" in out.stdout, out.stdout
+
+
 # -- jobs across nodes ---------------------------------------------------------------------------
 
 

@@ -197,3 +197,24 @@ def test_a_cut_link_ends_the_job_with_a_named_error_on_the_other_node(spmd_hosts
     # then the failed workers' teardown at exit (a few seconds), and the hosting agent's wait of --stop-grace + 5 s
     # for the cut-off agent to see the failure: bounded, not the 300 s default of --rdzv-timeout
     assert ended < named + 20, (ended, named)
+
+
+# -- the Gloo conformance suite across hosts ------------------------------------------------------
+
+
+def test_gloo_conformance_suite_across_hosts(spmd_hosts):
+    """Every op of the conformance suite, world group and a split, on 4 ranks spread over 2 nodes (ranks alternate)."""
+    from spmd.testing import World
+    from spmd.testing.conformance.checks import CHECKS
+    from spmd.testing.conformance.suite import run_cases
+
+    hosts = spmd_hosts(2)
+    here = hosts.attach_here()
+    world = World(4, "gloo", host=here, rank_prefix=lambda rank: hosts.nodes[rank % 2].command([]), env=run_env())
+    try:
+        failures = [f"{op}/{shape} rank {rank}: {failure}"
+                    for op in CHECKS for shape in ("world", "split")
+                    for rank, per_rank in enumerate(world.run(run_cases, op, shape, "cpu", timeout=120)) for failure in per_rank]
+    finally:
+        world.close()
+    assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])

@@ -138,6 +138,26 @@ class Hosts:
     nodes: list[Node]
     switch: str
     subnet: str
+    #: (interface, address) of this process's own link to the switch, once ``attach_here`` made it.
+    gateway: tuple[str, str] | None = None
+
+    def attach_here(self) -> str:
+        """Plug this process's own network namespace into the switch; returns its address (``.254``) there.
+
+        For a test that hosts something the nodes reach (a World's store and
+        listener): the one addition to the machine's own namespace, a veth
+        with a private /24, removed with the test bed.
+        """
+        if self.gateway is None:
+            ip = _tool("ip")
+            name, address = f"{self.switch[:-2]}g"[-15:], f"{self.subnet.rsplit('.', 1)[0]}.254"
+            _sh(ip, "link", "add", name, "type", "veth", "peer", "name", "gw", "netns", self.switch)
+            self.gateway = (name, address)
+            _sh(ip, "-n", self.switch, "link", "set", "gw", "master", "br0")
+            _sh(ip, "-n", self.switch, "link", "set", "gw", "up")
+            _sh(ip, "addr", "add", f"{address}/24", "dev", name)
+            _sh(ip, "link", "set", name, "up")
+        return self.gateway[1]
 
     def _tc(self, node: Node, *args: str) -> None:
         _sh(_tool("ip"), "netns", "exec", node.netns, _tool("tc"), "qdisc", *args)
@@ -167,6 +187,8 @@ class Hosts:
         for node in self.nodes:
             for process in node.processes:
                 _stop(process)
+        if self.gateway is not None:
+            subprocess.run([_tool("ip"), "link", "del", self.gateway[0]], capture_output=True, timeout=10)
         for name in [self.switch, *(node.netns for node in self.nodes)]:
             subprocess.run([_tool("ip"), "netns", "del", name], capture_output=True, timeout=10)
         for node in self.nodes:
@@ -181,6 +203,15 @@ def _remove_leftovers() -> None:
         pid = name[len(PREFIX):].partition("x")[0]
         if name.startswith(PREFIX) and pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
             subprocess.run([_tool("ip"), "netns", "del", name], capture_output=True, timeout=10)
+
+
+def _free_subnet(start: int) -> str:
+    """``10.213.<k>``: the first from ``start`` that this namespace has no route into (another test bed's ``attach_here``)."""
+    routes = subprocess.run([_tool("ip"), "-4", "route", "show"], capture_output=True, text=True, timeout=10).stdout
+    for k in (start + i for i in range(250)):
+        if f"10.213.{k % 250}." not in routes:
+            return f"10.213.{k % 250}"
+    raise TestBedUnavailable("every 10.213.<k>.0/24 is routed in this namespace already: too many test beds attached")
 
 
 def _hosts_file(hostname: str) -> Path:
@@ -200,7 +231,7 @@ def build_hosts(n: int) -> Hosts:
     _remove_leftovers()
     ip, serial, pid = _tool("ip"), next(_serial), os.getpid()
     tag = f"{pid}x{serial}"
-    subnet = f"10.213.{(pid * 7 + serial) % 250}"
+    subnet = _free_subnet((pid * 7 + serial) % 250)
     hosts = Hosts(nodes=[], switch=f"{PREFIX}{tag}sw", subnet=f"{subnet}.0/24")
     try:
         _sh(ip, "netns", "add", hosts.switch)

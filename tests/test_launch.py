@@ -244,50 +244,16 @@ def test_mpiexec_jobs_on_one_node_derive_distinct_store_ports(monkeypatch):
     assert env.launch_info().master_port == 23456
 
 
-def _netns_available() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces"
-    probe = subprocess.run(["ip", "netns", "add", "spmdprobe"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"`ip netns add` is not allowed here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "spmdprobe"], capture_output=True)
-    return None
-
-
-@pytest.fixture
-def two_hosts():
-    """Two network namespaces joined by a veth pair: 10.77.<k>.1 and 10.77.<k>.2, nothing else."""
-    reason = _netns_available()
-    if reason:
-        pytest.skip(f"network-namespace test skipped: {reason}")
-    k = os.getpid() % 200 + 20
-    names = [f"spmd{k}a", f"spmd{k}b"]
-    ips = [f"10.77.{k}.1", f"10.77.{k}.2"]
-    cmds = [
-        ["ip", "netns", "add", names[0]], ["ip", "netns", "add", names[1]],
-        ["ip", "link", "add", f"v{k}a", "type", "veth", "peer", "name", f"v{k}b"],
-        ["ip", "link", "set", f"v{k}a", "netns", names[0]], ["ip", "link", "set", f"v{k}b", "netns", names[1]],
-    ]
-    for ns, dev, ip in zip(names, (f"v{k}a", f"v{k}b"), ips):
-        cmds += [["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev], ["ip", "-n", ns, "link", "set", dev, "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]]
-    try:
-        for cmd in cmds:
-            subprocess.run(cmd, check=True, capture_output=True)
-        yield list(zip(names, (f"v{k}a", f"v{k}b"), ips))
-    finally:
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
 @pytest.mark.parametrize("script", ["report.py", "spmd_report.py"])
-def test_two_agents_across_network_namespaces(two_hosts, script):
-    (ns0, dev0, ip0), (ns1, dev1, _) = two_hosts
-    port = 29400
-    base = [*SPMD, "run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"{ip0}:{port}", "--rdzv-id", "netns"]
+def test_two_agents_across_network_namespaces(spmd_hosts, script):
+    """Two nodes of the test bed (hostnames resolving to 127.0.1.1), no GLOO_SOCKET_IFNAME: Gloo binds where the store is reached."""
+    node0, node1 = spmd_hosts(2).nodes
+    port = free_port()
+    base = [*SPMD, "run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"{node0.address}:{port}", "--rdzv-id", "netns"]
+    env = {k: v for k, v in clean_env().items() if k not in ("GLOO_SOCKET_IFNAME", "SPMD_SOCKET_IFNAME")}
     agents = [
-        subprocess.Popen(["ip", "netns", "exec", ns, *base, "--node-rank", str(i), str(SCRIPTS / script)],
-                         env=clean_env(GLOO_SOCKET_IFNAME=dev), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i, (ns, dev) in enumerate(((ns0, dev0), (ns1, dev1)))
+        node.popen([*base, "--node-rank", str(i), str(SCRIPTS / script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i, node in enumerate((node0, node1))
     ]
     outs = [a.communicate(timeout=120) for a in agents]
     assert all(a.returncode == 0 for a in agents), [o[1][-2000:] for o in outs]

@@ -110,6 +110,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             f"launch environment: {env_name} (rank {launch.rank} of {launch.world_size}, local rank "
             f"{launch.local_rank}, master {launch.master_addr}:{launch.master_port})"
         )
+    _print_binding()
     # The one rule spmd.init() follows everywhere: the highest-priority usable backend per device.
     for device in backends().device_types():
         try:
@@ -123,6 +124,31 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         order = ", ".join(f"{spec.name} {spec.priority}" for spec in usable)
         print(f"default for {device}: {chosen}" + (f" (highest priority of the usable: {order})" if order else ""))
     return 0 if ok else 1
+
+
+def _print_binding() -> None:
+    """Where each backend binds on this node, and why (the job's store, SPMD_SOCKET_IFNAME, a backend's own variable)."""
+    from spmd.comm.address import binding_towards, job_store_endpoint
+    from spmd.comm.registry import backends
+    from spmd.errors import SpmdError
+
+    endpoint = job_store_endpoint()
+    try:
+        binding = binding_towards(*endpoint) if endpoint else binding_towards("127.0.0.1", 0)
+    except SpmdError as error:
+        print(f"network: {error}")
+        return
+    where = f"the job's store at {endpoint[0]}:{endpoint[1]}" if endpoint else "no job store in this environment (as on one host)"
+    print(f"network: {where}; this node: {binding.address or 'default'}"
+          + (f" on {binding.interface}" if binding.interface else "") + f" ({binding.reason})")
+    for entry in backends().entries():
+        spec = entry.spec
+        if spec.where_it_binds is None or spec.unavailable_reason() is not None:
+            continue
+        try:
+            print(f"  {spec.name} binds to: {spec.where_it_binds(binding)}")
+        except Exception as error:  # noqa: BLE001 - a broken description is shown, not fatal
+            print(f"  {spec.name} binds to: unknown ({type(error).__name__}: {error})")
 
 
 def cmd_bench_collectives(args: argparse.Namespace) -> int:

@@ -115,6 +115,9 @@ class BackendSpec:
     #: A command prefix that starts this backend's ranks (``("mpiexec", "-n", "{nproc}")``),
     #: for tools that launch jobs themselves (``spmd bench``); None means plain processes.
     launch: tuple[str, ...] | None = None
+    #: ``where_it_binds(binding)``: the address or interface this backend will use on this node and
+    #: why, given the kernel's ``spmd.comm.address.Binding`` (``spmd doctor`` prints it); None: not told.
+    where_it_binds: Callable[[Any], str] | None = None
 
     def backend_type(self) -> type[Backend] | None:
         """The Backend subclass this spec builds (``backend_class``, or ``factory`` when it is one), or None."""

@@ -26,6 +26,7 @@ from datetime import timedelta
 
 import torch.distributed as tdist
 
+from spmd.comm.address import route_source
 from spmd.comm.tcp_store import host_tcp_store
 from spmd.errors import SpmdError
 
@@ -64,12 +65,7 @@ def local_address_towards(host: str, port: int) -> str:
     """The address of this machine that ``host`` would see (for MASTER_ADDR)."""
     if host in ("localhost", "127.0.0.1", "::1", ""):
         return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, port))
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
+    return route_source(host, port) or socket.gethostbyname(socket.gethostname())
 
 
 def connect_store(endpoint: str, timeout: float, host_it: bool | None) -> tuple[tdist.Store, bool]:

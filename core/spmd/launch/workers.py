@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from spmd.comm.address import binding_towards
 from spmd.launch.args import RunConfig
 from spmd.launch.console import CONSOLE_VARIABLE, agent_console_is_terminal
 from spmd.launch.containment import die_with_agent
@@ -109,6 +110,19 @@ def _command(config: RunConfig) -> list[str]:
     return [sys.executable, "-u", config.script, *config.script_args]
 
 
+def _gloo_interface(store_endpoint: str) -> str | None:
+    """The interface towards the job's store, for torch's own Gloo (plain ``torch.distributed`` scripts).
+
+    torch's Gloo binds to what this host's name resolves to (often 127.0.1.1 in
+    containers) unless GLOO_SOCKET_IFNAME names an interface; a user's value
+    is kept, and a loopback-only job gets nothing.
+    """
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return None
+    host, _, port = store_endpoint.rpartition(":")
+    return binding_towards(host, int(port)).interface if port.isdigit() else None
+
+
 def worker_env(config: RunConfig, m: Membership, local_rank: int, restart: int, run_dir: Path) -> dict[str, str]:
     """torchrun's variables, plus the spmd names for the restart counter."""
     env = dict(os.environ)
@@ -136,6 +150,9 @@ def worker_env(config: RunConfig, m: Membership, local_rank: int, restart: int, 
     if m.store_endpoint is not None:
         env["SPMD_AGENT_STORE"] = m.store_endpoint  # spmd.init keeps its keys there, under:
         env["SPMD_STORE_PREFIX"] = f"spmd/job/{config.rdzv_id}/round{m.round}"
+        gloo_interface = _gloo_interface(m.store_endpoint)
+        if gloo_interface is not None:
+            env["GLOO_SOCKET_IFNAME"] = gloo_interface
     if config.rdzv_token:
         env["SPMD_RDZV_TOKEN"] = config.rdzv_token  # spmd.init scopes the job's keys with it, as the agents do
     if agent_console_is_terminal():  # workers write into pipes: tell them a terminal shows what they write

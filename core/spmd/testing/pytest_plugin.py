@@ -1,4 +1,4 @@
-"""The pytest plugin: a pool of Worlds and the ``spmd_world`` fixture.
+"""The pytest plugin: a pool of Worlds and the ``spmd_world`` fixture; ``spmd_hosts``, a multi-host test bed.
 
     def test_sum(spmd_world):
         world = spmd_world(2, "gloo")
@@ -14,10 +14,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import pytest
 
 from spmd.testing.world import World
+
+if TYPE_CHECKING:
+    from spmd.testing.hosts import Hosts
 
 MAX_LIVE = 2
 
@@ -68,6 +72,32 @@ def spmd_world(spmd_world_pool: WorldPool, request: pytest.FixtureRequest) -> Ca
         return spmd_world_pool.get(world_size, backend, launcher)
 
     return get
+
+
+@pytest.fixture
+def spmd_hosts() -> Iterator[Callable[[int], Hosts]]:
+    """A factory: ``spmd_hosts(n)`` -> a multi-host test bed of ``n`` nodes (``spmd.testing.hosts``).
+
+    Each node is its own network and UTS namespace whose hostname resolves to
+    127.0.1.1; everything (processes started with ``node.popen`` included) is
+    torn down after the test. Skips the test where the machine cannot make one.
+    """
+    from spmd.testing.hosts import TestBedUnavailable, build_hosts
+
+    made: list[Hosts] = []
+
+    def make(n: int = 2) -> Hosts:
+        try:
+            made.append(build_hosts(n))
+        except TestBedUnavailable as reason:
+            pytest.skip(f"multi-host test bed unavailable: {reason}")
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for hosts in made:
+            hosts.close()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

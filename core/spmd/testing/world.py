@@ -12,6 +12,11 @@ subprocess each: ``World(4, "mpi", launcher=["mpiexec", "-n", "{n}"])`` runs
 one ``mpiexec`` whose processes take their rank from the launcher's
 environment (through the cluster-environment plugins); ``{n}`` in any
 argument becomes the world size.
+
+``host`` is the address the ranks reach the test's store and listener at,
+``rank_prefix(rank)`` an argv prefix per rank: with the ``spmd_hosts`` test
+bed, ``World(4, "gloo", host=hosts.attach_here(), rank_prefix=lambda r:
+hosts.nodes[r % 2].command([]))`` spreads the ranks over two nodes.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class World:
         env: Mapping[str, str] | None = None,
         start_timeout: float = 60.0,
         launcher: Sequence[str] | None = None,
+        host: str = "127.0.0.1",
+        rank_prefix: Callable[[int], Sequence[str]] | None = None,
     ) -> None:
         self.world_size = world_size
         self.backend = backend
@@ -66,8 +73,8 @@ class World:
         self._rank_procs: list[subprocess.Popen] = []  # the process that hosts each rank
         self._conns: list[Connection] = []
         authkey = secrets.token_bytes(16)
-        self._store = host_tcp_store("127.0.0.1", 0, world_size, timedelta(seconds=start_timeout), wait_for_workers=False)
-        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        self._store = host_tcp_store(host, 0, world_size, timedelta(seconds=start_timeout), wait_for_workers=False)
+        self._listener = Listener((host, 0), authkey=authkey)
         worker_env = dict(os.environ)
         worker_env.setdefault("OMP_NUM_THREADS", "1")
         worker_env.update(env or {})
@@ -83,7 +90,8 @@ class World:
         try:
             if self.launcher is None:
                 for rank in range(world_size):
-                    self._procs.append(subprocess.Popen(worker_cmd(rank), env=worker_env))
+                    prefix = list(rank_prefix(rank)) if rank_prefix is not None else []
+                    self._procs.append(subprocess.Popen([*prefix, *worker_cmd(rank)], env=worker_env))
                 self._rank_procs = list(self._procs)
             else:
                 # One launcher process runs every rank; rank -1 tells workers to ask their environment.

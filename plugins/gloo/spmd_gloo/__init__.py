@@ -21,6 +21,12 @@ def _factory(ctx: spmd.BackendContext) -> spmd.Backend:
     return GlooBackend(ctx)
 
 
+def _where_it_binds(binding: object) -> str:
+    from spmd_gloo.backend import device_choice
+
+    return device_choice({}, binding)[1]  # type: ignore[arg-type]
+
+
 @spmd.hookimpl
 def spmd_backends() -> Iterable[spmd.BackendSpec]:
     return [
@@ -32,6 +38,7 @@ def spmd_backends() -> Iterable[spmd.BackendSpec]:
             available=_available,
             backend_class="spmd_gloo.backend:GlooBackend",
             description="Gloo over TCP (torch's ProcessGroupGloo); the default CPU backend",
+            where_it_binds=_where_it_binds,
         )
     ]
 

@@ -14,12 +14,13 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
 
+from spmd.comm.address import Binding, binding_for_store
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import NativeWork, Work
@@ -233,18 +234,34 @@ def _rows_as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return shaped if tensor.dtype in _GLOO_DATA_DTYPES else shaped.view(torch.uint8)
 
 
-def _options(ctx: BackendContext) -> tdist.ProcessGroupGloo._Options:
-    """Gloo options: the group timeout, and the network interface if one is named.
+def device_choice(options: Mapping[str, object], binding: Binding) -> tuple[dict[str, str], str]:
+    """The ``create_device`` arguments Gloo gets and why: the user's interface, else the kernel's binding.
 
-    ``GLOO_SOCKET_IFNAME`` (torch's variable) or the group option ``gloo_interface``
-    picks the interface; otherwise Gloo resolves this host's name, which is
-    wrong inside network namespaces and on multi-homed hosts.
+    ``GLOO_SOCKET_IFNAME`` (torch's variable; ``spmd run`` sets it towards the store
+    unless the user did) or the group option ``gloo_interface`` wins; otherwise Gloo binds to the address this node reaches the job's store
+    from (``spmd.comm.address``), not to whatever this host's name resolves to
+    (often 127.0.1.1 in containers, which the other nodes cannot reach). An
+    empty result means Gloo's default device (a loopback or file-store job).
     """
+    interface = options.get("gloo_interface") or os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        source = "group option gloo_interface" if options.get("gloo_interface") else "GLOO_SOCKET_IFNAME"
+        return {"interface": str(interface)}, f"interface {interface} ({source}, which wins: the user's, or `spmd run`'s towards the store)"
+    if binding.address is not None:
+        return {"hostname": binding.address}, f"{binding.address} on {binding.interface or 'an unnamed interface'} ({binding.reason})"
+    return {}, f"Gloo's default (this host's name) because {binding.reason}"
+
+
+def _options(ctx: BackendContext) -> tdist.ProcessGroupGloo._Options:
+    """Gloo options: the group timeout, and the device bound where ``device_choice`` says."""
     opts = tdist.ProcessGroupGloo._Options()
     opts._timeout = ctx.timeout
-    interface = ctx.options.get("gloo_interface") or os.environ.get("GLOO_SOCKET_IFNAME")
-    if interface:
-        opts._devices = [tdist.ProcessGroupGloo.create_device(interface=name) for name in interface.split(",")]
+    overridden = ctx.options.get("gloo_interface") or os.environ.get("GLOO_SOCKET_IFNAME")
+    choice, _ = device_choice(ctx.options, Binding(None, None, "overridden") if overridden else binding_for_store(ctx.store))
+    if "interface" in choice:
+        opts._devices = [tdist.ProcessGroupGloo.create_device(interface=name) for name in choice["interface"].split(",")]
+    elif choice:
+        opts._devices = [tdist.ProcessGroupGloo.create_device(hostname=choice["hostname"])]
     else:
         opts._devices = [tdist.ProcessGroupGloo.create_default_device()]
     return opts

@@ -9,6 +9,7 @@ even where ucxx is absent.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import spmd
@@ -37,6 +38,15 @@ def _factory(ctx: spmd.BackendContext) -> spmd.Backend:
 
 #: The collectives UccBackend implements natively (kept in step with the class by a test;
 #: listed here so that loading the plugin does not import the backend module).
+def _where_it_binds(binding: object) -> str:
+    """UCX publishes the addresses of its devices (not this host's name), so it needs no binding from spmd."""
+    devices = os.environ.get("UCX_NET_DEVICES")
+    if devices:
+        return f"UCX_NET_DEVICES={devices} (the user's choice)"
+    return ("every device UCX finds (UCX_NET_DEVICES unset): its worker address lists each device's own address, "
+            "never this host's name, and peers try them in turn; set UCX_NET_DEVICES to pin one")
+
+
 @spmd.hookimpl
 def spmd_backends() -> Iterable[spmd.BackendSpec]:
     return [
@@ -48,5 +58,6 @@ def spmd_backends() -> Iterable[spmd.BackendSpec]:
             available=_available,
             backend_class="spmd_ucc.backend:UccBackend",
             description=probe.describe(),
+            where_it_binds=_where_it_binds,
         )
     ]

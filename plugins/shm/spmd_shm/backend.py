@@ -15,7 +15,7 @@ from spmd_shm.segment import Layout, check_same_host, open_segment
 from spmd_shm.work import ShmWork
 
 #: Bytes of one collective slot (each rank has two): the chunk large collectives move per round.
-SLOT_BYTES = int(os.environ.get("SPMD_SHM_SLOT_BYTES", str(1 << 20)))
+SLOT_BYTES = int(os.environ.get("SPMD_SHM_SLOT_BYTES", str(4 << 20)))
 #: Payload bytes of one point-to-point packet, and packets in flight per ordered pair of ranks.
 PACKET_BYTES = int(os.environ.get("SPMD_SHM_PACKET_BYTES", str(256 << 10)))
 PACKETS = int(os.environ.get("SPMD_SHM_PACKETS", "4"))

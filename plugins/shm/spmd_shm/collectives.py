@@ -16,7 +16,6 @@ from spmd.errors import CollectiveError
 from spmd_shm.engine import Engine, Steps
 from spmd_shm.work import ShmWork
 
-
 #: Codes that identify the op in a slot's signature (with the op's total byte count).
 _CODES = {"all_reduce": 1, "reduce": 2, "broadcast": 3, "all_gather_into_tensor": 4, "gather": 5,
           "reduce_scatter_tensor": 6, "scatter": 7, "barrier": 8}

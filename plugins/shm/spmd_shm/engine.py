@@ -38,13 +38,12 @@ from spmd_shm.segment import (
     PACKET_HEADER,
     PID,
     STATE,
-    Layout,
     Segment,
 )
 from spmd_shm.work import ShmWork
 
 #: Seconds a waiting progress thread keeps polling before it sleeps on its doorbell.
-SPIN_SECONDS = float(os.environ.get("SPMD_SHM_SPIN_US", "40")) * 1e-6
+SPIN_SECONDS = float(os.environ.get("SPMD_SHM_SPIN_US", "20")) * 1e-6
 #: Longest single sleep: deadlines, aborts and dead peers are noticed at least this often.
 SLEEP_CAP = 0.05
 #: Seconds between checks that the awaited peers' processes still exist.
@@ -160,6 +159,11 @@ class Engine:
         self.broken: BaseException | None = None
         self._stopping = False
         self._abandoned = False
+        self._lock = threading.Lock()  # held by whichever thread progresses (the engine's or a waiting caller's)
+        self._drivers = 0  # callers inside drive()
+        self._drivers_lock = threading.Lock()
+        self._no_driver = threading.Event()
+        self._no_driver.set()
         self._ring_id = (me % 250) << 24
         self._ring_count = 0
         self._kick_lock = threading.Lock()
@@ -170,7 +174,7 @@ class Engine:
 
     # -- submission (any thread) ----------------------------------------------------------
     def new_work(self) -> ShmWork:
-        return ShmWork(self.kick, time.monotonic() + self.timeout)
+        return ShmWork(self, time.monotonic() + self.timeout)
 
     def submit(self, kind: str, work: ShmWork, payload: Any) -> ShmWork:
         """Queue an op for the progress thread: kind is "coll" (a generator), "send" (dst, generator) or "recv"."""
@@ -179,7 +183,10 @@ class Engine:
             work.finish(self._refusal(broken))
             return work
         self._inbox.append((kind, (work, payload)))
-        self.kick()
+        # Start it here (publish this rank's part) if no thread is progressing; else make sure the
+        # thread that is sees the inbox before it sleeps.
+        if self.try_progress() is None:
+            self.kick()
         return work
 
     def kick(self) -> None:
@@ -331,6 +338,10 @@ class Engine:
         self.ring((src,))
         return True
 
+    def _recv_missing(self, recv: _Recv) -> Callable[[], list[int]]:
+        """``[src]`` while ``recv`` still waits for its sender (after taking what the sender wrote)."""
+        return lambda: [] if recv.work.done or self._drain(recv.src) and recv.work.done else [recv.src]
+
     def _check_recvs(self) -> None:
         """Fail recvs that were aborted, ran out of time, or whose sender is gone."""
         pending = [r for r in self._waiting_recvs if not r.work.done]
@@ -339,7 +350,7 @@ class Engine:
             src = recv.src
             what = f"recv from {self.global_names([src])} (tag {recv.tag})"
             try:
-                self.check(recv.work, lambda: [] if recv.work.done or self._drain(src) and recv.work.done else [src], what)
+                self.check(recv.work, self._recv_missing(recv), what)
             except BaseException as error:  # noqa: BLE001 - delivered to the waiter
                 if recv in self._posted[src]:
                     self._posted[src].remove(recv)
@@ -388,30 +399,86 @@ class Engine:
     def _busy(self) -> bool:
         return bool(self._collectives or self._waiting_recvs or any(self._sends))
 
+    def _body(self) -> None:
+        """One round of progress on everything; the caller holds ``self._lock``."""
+        try:
+            self._step()
+            if self._waiting_recvs:
+                self._check_recvs()
+        except BaseException as error:  # noqa: BLE001 - a bug must not hang the ranks: fail everything
+            self.fail_all(error)
+        if self._abandoned and self.broken is None:
+            self.fail_all(CollectiveError(f"group {self.ctx.group_name!r} was abandoned"))
+
+    def try_progress(self) -> bool | None:
+        """Progress once if no other thread is (never blocks): whether anything moved, None if busy elsewhere."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            moves = self.moves
+            self._body()
+            return self.moves != moves
+        finally:
+            self._lock.release()
+
+    def drive(self, work: ShmWork, timeout: float | None) -> bool:
+        """A caller waits for ``work`` by progressing itself (no hand-off to the progress thread):
+        poll for ``SPIN_SECONDS`` after each move, then sleep on the doorbell. True once done."""
+        my_bell, addr = self.bell[self.me], self._bell_addr[self.me]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._drivers_lock:
+            self._drivers += 1
+            self._no_driver.clear()
+        try:
+            spin_until = time.monotonic() + SPIN_SECONDS
+            while not work.done:
+                bell = my_bell.value
+                moved = self.try_progress()
+                if work.done:
+                    break
+                now = time.monotonic()
+                if moved:
+                    spin_until = now + SPIN_SECONDS
+                    continue
+                if deadline is not None and now >= deadline:
+                    return False
+                if now < spin_until:
+                    continue
+                cap = SLEEP_CAP if deadline is None else max(0.0, min(SLEEP_CAP, deadline - now))
+                futex.wait(addr, bell, cap)
+            return True
+        finally:
+            with self._drivers_lock:
+                self._drivers -= 1
+                if not self._drivers:
+                    self._no_driver.set()
+
     def _loop(self) -> None:
+        """The background progress: ops nobody waits for, incoming messages, deadlines."""
         my_bell, addr = self.bell[self.me], self._bell_addr[self.me]
         spin_until = 0.0
         while True:
+            if self._drivers and not self._stopping:  # a caller is progressing: stay out of its way
+                self._no_driver.wait(SLEEP_CAP)
+                continue
             bell = my_bell.value
-            moves = self.moves
-            try:
-                self._step()
-                if self._waiting_recvs:
-                    self._check_recvs()
-            except BaseException as error:  # noqa: BLE001 - a bug must not hang the ranks: fail everything
-                self.fail_all(error)
-            if self._abandoned and self.broken is None:
-                self.fail_all(CollectiveError(f"group {self.ctx.group_name!r} was abandoned"))
-            if self._stopping and not self._inbox:
-                self.fail_all(CollectiveError(f"shm backend of group {self.ctx.group_name!r} was closed with this op pending"))
-                return
+            with self._lock:
+                moves = self.moves
+                self._body()
+                if self._stopping and not self._inbox:
+                    self.state[self.me].value = CLOSED
+                    if self._busy():
+                        self.fail_all(CollectiveError(f"shm backend of group {self.ctx.group_name!r} was closed with this op pending"))
+                    return
+                moved = self.moves != moves or bool(self._inbox)
+                busy = self._busy()
             now = time.monotonic()
-            if self.moves != moves or self._inbox:
+            if moved:
                 spin_until = now + SPIN_SECONDS
                 continue
-            if now < spin_until and self._busy():
+            if now < spin_until and busy:
                 continue
-            futex.wait(addr, bell, SLEEP_CAP if self._busy() else 1.0)
+            futex.wait(addr, bell, SLEEP_CAP if busy else 1.0)
 
     def fail_all(self, error: BaseException) -> None:
         """This rank gives up on the group: tell the peers (state BROKEN), fail every pending op."""

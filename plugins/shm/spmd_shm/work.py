@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spmd_shm.engine import Engine
 
 #: Guards each work's callback list against a concurrent finish (held for nanoseconds).
 _LOCK = threading.Lock()
 
 
 class ShmWork:
-    """Finished by the backend's progress thread; ``abort`` asks that thread to give up on it."""
+    """Finished by whichever thread progresses the engine (a waiting caller, or the engine's own);
+    ``abort`` asks it to give up on the op."""
 
-    __slots__ = ("_event", "_error", "aborted", "_fns", "_kick", "deadline")
+    __slots__ = ("_event", "_error", "aborted", "_fns", "_engine", "deadline")
 
-    def __init__(self, kick: Callable[[], None], deadline: float) -> None:
+    def __init__(self, engine: Engine, deadline: float) -> None:
         self._event = threading.Event()
         self._error: BaseException | None = None
         self.aborted = False
         self._fns: list[Callable[[], object]] | None = None
-        self._kick = kick
+        self._engine = engine
         #: time.monotonic() after which the progress thread fails the op with a TimeoutError.
         self.deadline = deadline
 
@@ -28,13 +33,15 @@ class ShmWork:
         return self._event.is_set()
 
     def wait(self, timeout: float | None) -> bool:
-        return self._event.wait(timeout)
+        if self._event.is_set():
+            return True
+        return self._engine.drive(self, timeout)
 
     def abort(self) -> None:
         """The kernel gave up: the progress thread fails the op at its next step (within milliseconds)."""
         if not self._event.is_set():
             self.aborted = True
-            self._kick()
+            self._engine.kick()
 
     def error(self) -> BaseException | None:
         return self._error

@@ -22,12 +22,12 @@ def _segments() -> set[str]:
     return {name for name in os.listdir(shm_dir()) if name.startswith("spmd-shm-")}
 
 
-def run_world(scenario: str, timeout: float) -> dict[int, dict]:
-    """Run fault_script.py on WORLD ranks; the survivors' RESULT lines by rank."""
+def run_world(scenario: str, timeout: float, cwd: Path) -> dict[int, dict]:
+    """Run fault_script.py on WORLD ranks in ``cwd`` (where trace dumps land); the survivors' RESULT lines by rank."""
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"})
     procs = [subprocess.Popen([sys.executable, str(SCRIPT), scenario, str(timeout)],
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=cwd,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
     results = {}
     for r, p in enumerate(procs):
@@ -45,10 +45,10 @@ def run_world(scenario: str, timeout: float) -> dict[int, dict]:
 
 
 @pytest.mark.parametrize("scenario", ["kill_mid_all_reduce", "kill_before_recv"])
-def test_sigkilled_rank_is_a_named_error_and_leaves_no_segment(scenario: str) -> None:
+def test_sigkilled_rank_is_a_named_error_and_leaves_no_segment(scenario: str, tmp_path: Path) -> None:
     before = _segments()
     timeout = 20.0
-    results = run_world(scenario, timeout)
+    results = run_world(scenario, timeout, tmp_path)
     assert sorted(results) == [0, 1], results
     for res in results.values():
         assert res["error"] == "CollectiveError" and res["spmd_error"], res
@@ -58,11 +58,11 @@ def test_sigkilled_rank_is_a_named_error_and_leaves_no_segment(scenario: str) ->
     assert _segments() - before == set(), "the job left shared-memory segments behind"
 
 
-def test_stalled_rank_is_a_timeout_naming_it() -> None:
+def test_stalled_rank_is_a_timeout_naming_it(tmp_path: Path) -> None:
     timeout = 3.0
-    results = run_world("stall", timeout)
+    results = run_world("stall", timeout, tmp_path)
     for r in (0, 1):
         res = results[r]
         assert res["error"] == "CollectiveTimeoutError" and res["spmd_error"], res
-        assert "2" in res["message"].split("did not complete")[-1], res["message"]
+        assert "never reached seq 1: [2]" in res["message"], res["message"]
         assert timeout - 0.5 < res["elapsed"] < timeout + 2, res

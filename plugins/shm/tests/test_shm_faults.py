@@ -59,10 +59,14 @@ def test_sigkilled_rank_is_a_named_error_and_leaves_no_segment(scenario: str, tm
 
 
 def test_stalled_rank_is_a_timeout_naming_it(tmp_path: Path) -> None:
+    """The first survivor to reach its deadline raises the timeout; the other may instead learn
+    from the kernel that this rank gave up (a CollectiveError): both name the stalled rank."""
     timeout = 3.0
     results = run_world("stall", timeout, tmp_path)
+    errors = {results[r]["error"] for r in (0, 1)}
+    assert "CollectiveTimeoutError" in errors and errors <= {"CollectiveTimeoutError", "CollectiveError"}, results
     for r in (0, 1):
         res = results[r]
-        assert res["error"] == "CollectiveTimeoutError" and res["spmd_error"], res
-        assert "never reached seq 1: [2]" in res["message"], res["message"]
-        assert timeout - 0.5 < res["elapsed"] < timeout + 2, res
+        assert res["spmd_error"] and "never reached seq 1: [2]" in res["message"], res["message"]
+        assert res["elapsed"] < timeout + 2, res
+    assert min(results[r]["elapsed"] for r in (0, 1)) > timeout - 0.5, results

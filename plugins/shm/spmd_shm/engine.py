@@ -46,6 +46,10 @@ from spmd_shm.work import ShmWork
 SPIN_SECONDS = float(os.environ.get("SPMD_SHM_SPIN_US", "20")) * 1e-6
 #: Longest single sleep: deadlines, aborts and dead peers are noticed at least this often.
 SLEEP_CAP = 0.05
+#: While the program waited for an op this recently (seconds), the background thread polls every
+#: TICK seconds rather than sleeping on the doorbell (see ``Engine._loop``).
+RECENT_DRIVE = 0.02
+TICK = 0.005
 #: Seconds between checks that the awaited peers' processes still exist.
 LIVENESS_PERIOD = 0.05
 
@@ -164,6 +168,8 @@ class Engine:
         self._drivers_lock = threading.Lock()
         self._no_driver = threading.Event()
         self._no_driver.set()
+        self._last_drive = 0.0
+        self._wake = threading.Event()  # set by kick(): the background thread's tick ends early
         self._ring_id = (me % 250) << 24
         self._ring_count = 0
         self._kick_lock = threading.Lock()
@@ -195,6 +201,7 @@ class Engine:
             self._kick_count = (self._kick_count + 1) & 0xFFFFFF
             self.bell[self.me].value = (255 << 24) | self._kick_count
         futex.wake(self._bell_addr[self.me])
+        self._wake.set()
 
     def _refusal(self, cause: BaseException) -> CollectiveError:
         return CollectiveError(
@@ -448,15 +455,20 @@ class Engine:
                 futex.wait(addr, bell, cap)
             return True
         finally:
+            self._last_drive = time.monotonic()
             with self._drivers_lock:
                 self._drivers -= 1
                 if not self._drivers:
                     self._no_driver.set()
 
     def _loop(self) -> None:
-        """The background progress: ops nobody waits for, incoming messages, deadlines."""
+        """The background progress: ops nobody waits for, incoming messages, deadlines.
+
+        While the program drives ops itself (a wait within ``RECENT_DRIVE`` seconds) this thread
+        ticks every ``TICK`` seconds instead of sleeping on the doorbell: woken by every ring, it
+        would compete with the waiting caller for the GIL and a core on each message.
+        """
         my_bell, addr = self.bell[self.me], self._bell_addr[self.me]
-        spin_until = 0.0
         while True:
             if self._drivers and not self._stopping:  # a caller is progressing: stay out of its way
                 self._no_driver.wait(SLEEP_CAP)
@@ -472,13 +484,13 @@ class Engine:
                     return
                 moved = self.moves != moves or bool(self._inbox)
                 busy = self._busy()
-            now = time.monotonic()
             if moved:
-                spin_until = now + SPIN_SECONDS
                 continue
-            if now < spin_until and busy:
-                continue
-            futex.wait(addr, bell, SLEEP_CAP if busy else 1.0)
+            if time.monotonic() - self._last_drive < RECENT_DRIVE:
+                self._wake.wait(TICK)
+                self._wake.clear()
+            else:
+                futex.wait(addr, bell, SLEEP_CAP if busy else 1.0)
 
     def fail_all(self, error: BaseException) -> None:
         """This rank gives up on the group: tell the peers (state BROKEN), fail every pending op."""

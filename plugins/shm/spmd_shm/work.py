@@ -30,6 +30,8 @@ class ShmWork:
 
     # -- spmd.comm.work.NativeWork ------------------------------------------------------
     def poll(self) -> bool:
+        if not self._event.is_set():
+            self._engine.try_progress()  # never blocks: skipped when another thread is progressing
         return self._event.is_set()
 
     def wait(self, timeout: float | None) -> bool:

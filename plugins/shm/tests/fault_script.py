@@ -19,11 +19,11 @@ rank, world = spmd.get_rank(), spmd.get_world_size()
 victim = world - 1
 spmd.all_reduce(torch.ones(4))  # everyone attached (the segment is unlinked by now) and in step
 result = {"rank": rank, "pid": os.getpid()}
-big = torch.ones(4 << 20)  # 16 MiB: 16 rounds through the slots, so the victim dies inside the op
+big = torch.ones(16 << 20)  # 64 MiB: 16 rounds through the 4 MiB slots, so the victim dies inside the op
 if rank == victim:
     if scenario == "kill_mid_all_reduce":
-        spmd.all_reduce(big, async_op=True)
-        time.sleep(0.05)
+        spmd.all_reduce(big, async_op=True)  # writes its first two chunks, then waits for the others
+        time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGKILL)
     elif scenario == "kill_before_recv":
         time.sleep(0.2)
@@ -31,6 +31,8 @@ if rank == victim:
     elif scenario == "stall":
         time.sleep(timeout + 6)  # alive, but never reaches the collective
         os._exit(0)
+if scenario == "kill_mid_all_reduce":
+    time.sleep(0.3)  # enter after the victim started the op, before it died: it dies mid-op
 start = time.monotonic()
 try:
     if scenario in ("kill_mid_all_reduce", "stall"):

@@ -52,9 +52,11 @@ def test_sigkilled_rank_is_a_named_error_and_leaves_no_segment(scenario: str, tm
     assert sorted(results) == [0, 1], results
     for res in results.values():
         assert res["error"] == "CollectiveError" and res["spmd_error"], res
-        assert "rank 2" in res["message"] and "exited" in res["message"], res["message"]
+        # this rank saw rank 2 exit, or learnt from the survivor that saw it first; both name it
+        assert "ranks [2]" in res["message"] or "reached seq 1: [2]" in res["message"], res["message"]
         assert res["elapsed"] < timeout + 2, res
         assert res["after"] == "CollectiveError" and res["after_elapsed"] < 2, res
+    assert any("exited" in res["message"] for res in results.values()), results
     assert _segments() - before == set(), "the job left shared-memory segments behind"
 
 
@@ -68,5 +70,6 @@ def test_stalled_rank_is_a_timeout_naming_it(tmp_path: Path) -> None:
     for r in (0, 1):
         res = results[r]
         assert res["spmd_error"] and "never reached seq 1: [2]" in res["message"], res["message"]
-        assert res["elapsed"] < timeout + 2, res
+        # + the kernel's diagnosis: it waits up to 2 s for the ranks' flight-recorder dumps
+        assert res["elapsed"] < timeout + 3, res
     assert min(results[r]["elapsed"] for r in (0, 1)) > timeout - 0.5, results

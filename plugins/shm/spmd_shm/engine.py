@@ -195,6 +195,11 @@ class Engine:
             self.kick()
         return work
 
+    @property
+    def drivers(self) -> int:
+        """How many callers are inside ``drive`` (waiting for an op by progressing)."""
+        return self._drivers
+
     def kick(self) -> None:
         """Wake this rank's progress thread (from a caller's thread)."""
         with self._kick_lock:

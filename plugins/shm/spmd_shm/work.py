@@ -66,6 +66,8 @@ class ShmWork:
             self._error = error
             self._event.set()
             fns, self._fns = self._fns, None
+        if self._engine.drivers:  # a caller may be asleep on the doorbell waiting for this op
+            self._engine.kick()
         for fn in fns or ():
             fn()
 

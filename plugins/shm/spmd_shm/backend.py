@@ -1,0 +1,95 @@
+"""ShmBackend: spmd's Backend contract over one host's shared memory (see ``spmd_shm.engine``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from spmd.comm.backend import Backend, BackendContext
+from spmd.comm.reduce_op import ReduceOp
+from spmd_shm import collectives
+from spmd_shm.engine import Engine
+from spmd_shm.segment import Layout, check_same_host, open_segment
+from spmd_shm.work import ShmWork
+
+#: Bytes of one collective slot (each rank has two): the chunk large collectives move per round.
+SLOT_BYTES = int(os.environ.get("SPMD_SHM_SLOT_BYTES", str(4 << 20)))
+#: Payload bytes of one point-to-point packet, and packets in flight per ordered pair of ranks.
+PACKET_BYTES = int(os.environ.get("SPMD_SHM_PACKET_BYTES", str(256 << 10)))
+PACKETS = int(os.environ.get("SPMD_SHM_PACKETS", "4"))
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's memory as a flat uint8 view (the kernel hands over contiguous tensors)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class ShmBackend(Backend):
+    """Collectives and point-to-point between the ranks of one host, through a shared segment.
+
+    Every op is queued to the group's progress thread and returns at once; the returned
+    ``ShmWork`` completes when this rank's part is done. ``all_to_all_single`` is the kernel's
+    generic algorithm over this backend's point-to-point.
+    """
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        check_same_host(ctx)
+        layout = Layout(ctx.size, SLOT_BYTES, PACKET_BYTES, PACKETS)
+        self.engine = Engine(ctx, open_segment(ctx, layout))
+
+    def _collective(self, steps_fn, *args) -> ShmWork:  # type: ignore[no-untyped-def]
+        eng = self.engine
+        work = eng.new_work()
+        return eng.submit("coll", work, steps_fn(eng, work, *args))
+
+    # -- point-to-point -----------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> ShmWork:
+        eng = self.engine
+        work = eng.new_work()
+        return eng.submit("send", work, (dst, eng.send_steps(work, _bytes(tensor), dst, tag)))
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> ShmWork:
+        from spmd_shm.engine import _Recv
+
+        eng = self.engine
+        work = eng.new_work()
+        return eng.submit("recv", work, _Recv(work, _bytes(tensor), src, tag))
+
+    # -- collectives ----------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> ShmWork:
+        return self._collective(collectives.all_reduce, tensor.view(-1), op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> ShmWork:
+        return self._collective(collectives.broadcast, tensor.view(-1), src)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> ShmWork:
+        return self._collective(collectives.reduce, tensor.view(-1), dst, op)
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> ShmWork:
+        return self._collective(collectives.all_gather, output.view(-1), input.view(-1))
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> ShmWork:
+        return self._collective(collectives.reduce_scatter, output.view(-1), input.view(-1), op)
+
+    def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> ShmWork:
+        return self._collective(collectives.gather, None if output is None else output.view(-1), input.view(-1), dst)
+
+    def scatter(self, output: torch.Tensor, input: torch.Tensor | None, src: int) -> ShmWork:
+        return self._collective(collectives.scatter, output.view(-1), None if input is None else input.view(-1), src)
+
+    def barrier(self) -> ShmWork:
+        return self._collective(collectives.barrier)
+
+    def split(self, ranks: Sequence[int], ctx: BackendContext) -> Backend | None:
+        return None  # a sub-group gets its own segment (made by the factory)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def abandon(self) -> None:
+        self.engine.abandon()
+
+    def close(self) -> None:
+        self.engine.close()
+        super().close()

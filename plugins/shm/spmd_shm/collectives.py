@@ -1,0 +1,212 @@
+"""The shm collectives, as generators the engine steps: chunk by chunk through the rank slots.
+
+Each chunk is one round (see ``spmd_shm.engine``): the writers copy into their slot, everyone
+publishes, the readers copy or reduce out of the slots they need, everyone acks. Reductions read
+the slots in rank order on every rank, so all ranks get bit-identical results. Large tensors go
+through the slots one slot-sized chunk after another; with two slots per rank the copy-in of
+chunk i+1 does not wait for the slowest reader of chunk i.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd.comm.reduce_op import ReduceOp, finish_avg, reduce_into
+from spmd.errors import CollectiveError
+from spmd_shm.engine import Engine, Steps
+from spmd_shm.work import ShmWork
+
+#: Codes that identify the op in a slot's signature (with the op's total byte count).
+_CODES = {"all_reduce": 1, "reduce": 2, "broadcast": 3, "all_gather_into_tensor": 4, "gather": 5,
+          "reduce_scatter_tensor": 6, "scatter": 7, "barrier": 8}
+
+
+def _sign(eng: Engine, r: int, op: str, total: int) -> None:
+    """Record which op (and how many bytes in all) this rank's round-``r`` slot belongs to."""
+    eng.slot_sig[eng.me][r & 1].value = (_CODES[op] << 56) | total
+
+
+def _write(eng: Engine, r: int, parts: list[torch.Tensor]) -> None:
+    """Copy ``parts`` back to back into this rank's slot for round ``r`` and record the byte count."""
+    slot, offset = eng.slot[eng.me][r & 1], 0
+    for part in parts:
+        nbytes = part.numel() * part.element_size()
+        if nbytes:
+            slot[offset : offset + nbytes].view(part.dtype).copy_(part)
+        offset += nbytes
+    eng.slot_size[eng.me][r & 1].value = offset
+
+
+def _read(eng: Engine, q: int, r: int, dtype: torch.dtype, start: int, count: int) -> torch.Tensor:
+    """Elements ``start:start+count`` (of ``dtype``) of rank ``q``'s slot for round ``r``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return eng.slot[q][r & 1][start * size : (start + count) * size].view(dtype)
+
+
+def _check_sizes(eng: Engine, r: int, ranks: list[int], nbytes: int, op: str, total: int) -> None:
+    """Raise a named error if a peer's slot holds another op, or another size, than this rank's."""
+    mine = (_CODES[op] << 56) | total
+    for q in ranks:
+        sig = eng.slot_sig[q][r & 1].value
+        if sig != mine:
+            names = {code: name for name, code in _CODES.items()}
+            raise CollectiveError(
+                f"shm: this rank called {op} on {total} bytes but {eng.global_names([q])} called "
+                f"{names.get(sig >> 56, 'another op')} on {sig & ((1 << 56) - 1)} bytes at the same point; every rank of "
+                "the group must make the same collective calls, in the same order, with tensors of the same shape and dtype"
+            )
+        theirs = eng.slot_size[q][r & 1].value
+        if theirs != nbytes:
+            raise CollectiveError(
+                f"shm: {op}: {eng.global_names([q])} passed {theirs} bytes for this chunk, this rank {nbytes}; every rank "
+                "must call the collective with tensors of the same shape and dtype"
+            )
+
+
+def _chunk(eng: Engine, element_size: int, blocks: int = 1) -> int:
+    """Elements per block per round, so that ``blocks`` blocks fill at most one slot."""
+    return max(1, eng.lay.slot_bytes // (element_size * blocks))
+
+
+def all_reduce(eng: Engine, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> Steps:
+    total = flat.numel() * flat.element_size()
+    everyone, per = list(range(eng.n)), _chunk(eng, flat.element_size())
+    for start in range(0, flat.numel(), per):
+        piece = flat[start : start + per]
+        r = yield from eng.begin_round(work, "all_reduce")
+        _write(eng, r, [piece])
+        _sign(eng, r, "all_reduce", total)
+        eng.publish(r)
+        yield from eng.await_arrival(work, r, eng.others, "all_reduce")
+        _check_sizes(eng, r, eng.others, piece.numel() * piece.element_size(), "all_reduce", total)
+        piece.copy_(_read(eng, 0, r, flat.dtype, 0, piece.numel()))
+        for q in everyone[1:]:
+            reduce_into(piece, _read(eng, q, r, flat.dtype, 0, piece.numel()), op)
+        eng.finish_round(r)
+    finish_avg(flat, op, eng.n)
+
+
+def reduce(eng: Engine, work: ShmWork, flat: torch.Tensor, dst: int, op: ReduceOp) -> Steps:
+    total = flat.numel() * flat.element_size()
+    per = _chunk(eng, flat.element_size())
+    scratch = torch.empty(min(per, flat.numel()), dtype=flat.dtype) if eng.me == dst else None
+    for start in range(0, flat.numel(), per):
+        piece = flat[start : start + per]
+        r = yield from eng.begin_round(work, "reduce")
+        _write(eng, r, [piece])
+        _sign(eng, r, "reduce", total)
+        eng.publish(r)
+        if eng.me == dst:
+            assert scratch is not None
+            yield from eng.await_arrival(work, r, eng.others, "reduce")
+            _check_sizes(eng, r, eng.others, piece.numel() * piece.element_size(), "reduce", total)
+            acc = scratch[: piece.numel()]
+            acc.copy_(_read(eng, 0, r, flat.dtype, 0, piece.numel()))
+            for q in range(1, eng.n):
+                reduce_into(acc, _read(eng, q, r, flat.dtype, 0, piece.numel()), op)
+            piece.copy_(acc)
+        eng.finish_round(r)
+    if eng.me == dst:
+        finish_avg(flat, op, eng.n)
+
+
+def broadcast(eng: Engine, work: ShmWork, flat: torch.Tensor, src: int) -> Steps:
+    total = flat.numel() * flat.element_size()
+    per = _chunk(eng, flat.element_size())
+    for start in range(0, flat.numel(), per):
+        piece = flat[start : start + per]
+        r = yield from eng.begin_round(work, "broadcast")
+        if eng.me == src:
+            _write(eng, r, [piece])
+            _sign(eng, r, "broadcast", total)
+        eng.publish(r)
+        if eng.me != src:
+            yield from eng.await_arrival(work, r, [src], "broadcast")
+            _check_sizes(eng, r, [src], piece.numel() * piece.element_size(), "broadcast", total)
+            piece.copy_(_read(eng, src, r, flat.dtype, 0, piece.numel()))
+        eng.finish_round(r)
+
+
+def all_gather(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor) -> Steps:
+    total = inp.numel() * inp.element_size()
+    m, per = inp.numel(), _chunk(eng, inp.element_size())
+    for start in range(0, m, per):
+        piece = inp[start : start + per]
+        k = piece.numel()
+        r = yield from eng.begin_round(work, "all_gather_into_tensor")
+        _write(eng, r, [piece])
+        _sign(eng, r, "all_gather_into_tensor", total)
+        eng.publish(r)
+        yield from eng.await_arrival(work, r, eng.others, "all_gather_into_tensor")
+        _check_sizes(eng, r, eng.others, k * piece.element_size(), "all_gather_into_tensor", total)
+        for q in range(eng.n):
+            out[q * m + start : q * m + start + k].copy_(_read(eng, q, r, inp.dtype, 0, k))
+        eng.finish_round(r)
+
+
+def gather(eng: Engine, work: ShmWork, out: torch.Tensor | None, inp: torch.Tensor, dst: int) -> Steps:
+    total = inp.numel() * inp.element_size()
+    m, per = inp.numel(), _chunk(eng, inp.element_size())
+    for start in range(0, m, per):
+        piece = inp[start : start + per]
+        k = piece.numel()
+        r = yield from eng.begin_round(work, "gather")
+        _write(eng, r, [piece])
+        _sign(eng, r, "gather", total)
+        eng.publish(r)
+        if eng.me == dst:
+            assert out is not None
+            yield from eng.await_arrival(work, r, eng.others, "gather")
+            _check_sizes(eng, r, eng.others, k * piece.element_size(), "gather", total)
+            for q in range(eng.n):
+                out[q * m + start : q * m + start + k].copy_(_read(eng, q, r, inp.dtype, 0, k))
+        eng.finish_round(r)
+
+
+def reduce_scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Steps:
+    total = out.numel() * out.element_size()
+    n, m = eng.n, out.numel()
+    per = _chunk(eng, out.element_size(), n)
+    for start in range(0, m, per):
+        k = min(per, m - start)
+        r = yield from eng.begin_round(work, "reduce_scatter_tensor")
+        _write(eng, r, [inp[i * m + start : i * m + start + k] for i in range(n)])
+        _sign(eng, r, "reduce_scatter_tensor", total)
+        eng.publish(r)
+        yield from eng.await_arrival(work, r, eng.others, "reduce_scatter_tensor")
+        _check_sizes(eng, r, eng.others, n * k * out.element_size(), "reduce_scatter_tensor", total)
+        piece = out[start : start + k]
+        piece.copy_(_read(eng, 0, r, out.dtype, eng.me * k, k))
+        for q in range(1, n):
+            reduce_into(piece, _read(eng, q, r, out.dtype, eng.me * k, k), op)
+        eng.finish_round(r)
+    finish_avg(out, op, n)
+
+
+def scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor | None, src: int) -> Steps:
+    total = out.numel() * out.element_size()
+    n, m = eng.n, out.numel()
+    per = _chunk(eng, out.element_size(), n)
+    for start in range(0, m, per):
+        k = min(per, m - start)
+        r = yield from eng.begin_round(work, "scatter")
+        if eng.me == src:
+            assert inp is not None
+            _write(eng, r, [inp[i * m + start : i * m + start + k] for i in range(n)])
+            _sign(eng, r, "scatter", total)
+        eng.publish(r)
+        if eng.me != src:
+            yield from eng.await_arrival(work, r, [src], "scatter")
+            _check_sizes(eng, r, [src], n * k * out.element_size(), "scatter", total)
+        out[start : start + k].copy_(_read(eng, src, r, out.dtype, eng.me * k, k))
+        eng.finish_round(r)
+
+
+def barrier(eng: Engine, work: ShmWork) -> Steps:
+    r = yield from eng.begin_round(work, "barrier")
+    eng.slot_size[eng.me][r & 1].value = 0
+    _sign(eng, r, "barrier", 0)
+    eng.publish(r)
+    yield from eng.await_arrival(work, r, eng.others, "barrier")
+    _check_sizes(eng, r, eng.others, 0, "barrier", 0)
+    eng.finish_round(r)

@@ -1,0 +1,205 @@
+"""The group's shared segment: who shares a host, creating and attaching it, and its layout.
+
+The segment is a file under /dev/shm named after a random token (drawn by group rank 0 and
+published through the group's store), the group and the host, so an earlier job's leftover is
+never reused. Rank 0 unlinks it as soon as every rank has mapped it: the mappings stay valid and
+nothing remains in /dev/shm, even if a rank is later SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import re
+import secrets
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from spmd.comm.backend import BackendContext
+from spmd.errors import BackendUnavailableError, CollectiveTimeoutError
+
+_ALIGN = 64
+#: Per rank control block: arrive (i64), ack (i64), pid (i64), state (i64) | doorbell (i32, futex word).
+_CTRL_BYTES = 128
+ARRIVE, ACK, PID, STATE, DOORBELL = 0, 8, 16, 24, 64
+#: STATE values (only the rank itself writes its own).
+ATTACHED, BROKEN, CLOSED = 1, 2, 3
+#: Per ordered pair of ranks: produced (i64, written by the sender), consumed (i64, by the receiver).
+_PAIR_CTRL = 128
+PACKET_HEADER = 32  # tag, total bytes, offset, length (i64 each)
+
+
+def _round_up(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def host_identity() -> str:
+    """This host (boot id + hostname) and PID namespace: ranks with equal identities share /dev/shm and PIDs."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = "no-pidns"
+    return f"{socket.gethostname()}|{boot}|{pidns}"
+
+
+def shm_dir() -> str:
+    """Where segments live: /dev/shm (memory-backed), else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets of every region of the segment, the same on every rank."""
+
+    size: int  # group size
+    slot_bytes: int  # one collective slot (each rank has two, used in alternate rounds)
+    packet_bytes: int  # one point-to-point packet's payload
+    packets: int  # packets in flight per ordered pair
+
+    @property
+    def ctrl(self) -> int:
+        return 0
+
+    @property
+    def slots(self) -> int:
+        return _round_up(self.size * _CTRL_BYTES)
+
+    @property
+    def slot_stride(self) -> int:
+        return _round_up(_ALIGN + self.slot_bytes)  # a header line (bytes written) + the data
+
+    @property
+    def pairs(self) -> int:
+        return self.slots + 2 * self.size * self.slot_stride
+
+    @property
+    def packet_stride(self) -> int:
+        return _round_up(PACKET_HEADER + self.packet_bytes)
+
+    @property
+    def pair_stride(self) -> int:
+        return _PAIR_CTRL + self.packets * self.packet_stride
+
+    @property
+    def total(self) -> int:
+        return self.pairs + self.size * self.size * self.pair_stride
+
+    def ctrl_at(self, rank: int, field: int) -> int:
+        return rank * _CTRL_BYTES + field
+
+    def slot_at(self, rank: int, parity: int) -> int:
+        """Offset of the slot's header line; its data starts one line later."""
+        return self.slots + (2 * rank + parity) * self.slot_stride
+
+    def pair_at(self, src: int, dst: int) -> int:
+        return self.pairs + (src * self.size + dst) * self.pair_stride
+
+    def packet_at(self, src: int, dst: int, index: int) -> int:
+        return self.pair_at(src, dst) + _PAIR_CTRL + index * self.packet_stride
+
+
+class Segment:
+    """One mapping of the group's segment: a byte tensor over all of it, and int words in it."""
+
+    def __init__(self, mm: mmap.mmap, layout: Layout) -> None:
+        self.mm = mm
+        self.layout = layout
+        self.bytes = torch.frombuffer(mm, dtype=torch.uint8)
+
+    def i64(self, offset: int) -> ctypes.c_int64:
+        return ctypes.c_int64.from_buffer(self.mm, offset)
+
+    def i32(self, offset: int) -> ctypes.c_int32:
+        return ctypes.c_int32.from_buffer(self.mm, offset)
+
+
+def check_same_host(ctx: BackendContext) -> None:
+    """Exchange host identities through the store; raise BackendUnavailableError if the group spans hosts."""
+    store = ctx.store
+    store.set(f"shm/host/{ctx.rank}", host_identity())
+    keys = [f"shm/host/{r}" for r in range(ctx.size)]
+    store.wait(keys, ctx.timeout)
+    hosts = [store.get(k).decode() for k in keys]
+    if len(set(hosts)) > 1:
+        by_host: dict[str, list[int]] = {}
+        for rank, host in enumerate(hosts):
+            by_host.setdefault(host.split("|", 1)[0] + (" (" + host.rsplit("|", 1)[1] + ")"), []).append(rank)
+        spread = "; ".join(f"ranks {ranks} on {host}" for host, ranks in by_host.items())
+        raise BackendUnavailableError(
+            f"the shm backend serves only groups whose ranks share one host (and PID namespace), but group "
+            f"{ctx.group_name!r} spans several: {spread}. Use a network backend for this group "
+            "(spmd.init('gloo'), or new_group(..., backend='gloo'))"
+        )
+
+
+def open_segment(ctx: BackendContext, layout: Layout) -> Segment:
+    """Create (rank 0) or attach the group's segment, wait until every rank attached, then unlink it."""
+    store = ctx.store
+    deadline = time.monotonic() + ctx.timeout.total_seconds()
+    if ctx.rank == 0:
+        group = re.sub(r"[^A-Za-z0-9_.-]", "_", ctx.group_name)[:40]
+        host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:40]
+        path = os.path.join(shm_dir(), f"spmd-shm-{secrets.token_hex(8)}-{group}-{host}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.ftruncate(fd, layout.total)
+                mm = mmap.mmap(fd, layout.total)
+            finally:
+                os.close(fd)
+            segment = Segment(mm, layout)
+            _attach(segment, 0)
+            store.set("shm/segment", path)
+            _await_attached(segment, ctx, deadline)
+        finally:
+            os.unlink(path)
+        return segment
+    store.wait(["shm/segment"], ctx.timeout)
+    path = store.get("shm/segment").decode()
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError as error:
+        raise BackendUnavailableError(
+            f"shared segment {path} of group {ctx.group_name!r} vanished before this rank attached: group rank 0 "
+            "gave up waiting (its timeout) or died; check that every rank creates the group in time"
+        ) from error
+    try:
+        mm = mmap.mmap(fd, layout.total)
+    finally:
+        os.close(fd)
+    segment = Segment(mm, layout)
+    _attach(segment, ctx.rank)
+    return segment
+
+
+def _attach(segment: Segment, rank: int) -> None:
+    lay = segment.layout
+    segment.i64(lay.ctrl_at(rank, PID)).value = os.getpid()
+    segment.i64(lay.ctrl_at(rank, STATE)).value = ATTACHED
+
+
+def _await_attached(segment: Segment, ctx: BackendContext, deadline: float) -> None:
+    lay = segment.layout
+    states = [segment.i64(lay.ctrl_at(r, STATE)) for r in range(ctx.size)]
+    delay = 1e-4
+    while True:
+        missing = [r for r, s in enumerate(states) if s.value == 0]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"shm: group ranks {missing} of group {ctx.group_name!r} did not attach the shared segment within "
+                f"{ctx.timeout.total_seconds():.1f} s; they may have died or be stuck before their first collective"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)

@@ -1,0 +1,76 @@
+"""ShmWork: one op of the shm backend, seen by the kernel through the NativeWork protocol."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spmd_shm.engine import Engine
+
+#: Guards each work's callback list against a concurrent finish (held for nanoseconds).
+_LOCK = threading.Lock()
+
+
+class ShmWork:
+    """Finished by whichever thread progresses the engine (a waiting caller, or the engine's own);
+    ``abort`` asks it to give up on the op."""
+
+    __slots__ = ("_event", "_error", "aborted", "_fns", "_engine", "deadline")
+
+    def __init__(self, engine: Engine, deadline: float) -> None:
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self.aborted = False
+        self._fns: list[Callable[[], object]] | None = None
+        self._engine = engine
+        #: time.monotonic() after which the progress thread fails the op with a TimeoutError.
+        self.deadline = deadline
+
+    # -- spmd.comm.work.NativeWork ------------------------------------------------------
+    def poll(self) -> bool:
+        if not self._event.is_set():
+            self._engine.try_progress()  # never blocks: skipped when another thread is progressing
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None) -> bool:
+        if self._event.is_set():
+            return True
+        return self._engine.drive(self, timeout)
+
+    def abort(self) -> None:
+        """The kernel gave up: the progress thread fails the op at its next step (within milliseconds)."""
+        if not self._event.is_set():
+            self.aborted = True
+            self._engine.kick()
+
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[], object]) -> None:
+        with _LOCK:
+            if not self._event.is_set():
+                if self._fns is None:
+                    self._fns = []
+                self._fns.append(fn)
+                return
+        fn()
+
+    # -- the backend's side ---------------------------------------------------------------
+    def finish(self, error: BaseException | None = None) -> None:
+        """Complete the op (once; later calls are ignored) and run the kernel's callbacks."""
+        with _LOCK:
+            if self._event.is_set():
+                return
+            self._error = error
+            self._event.set()
+            fns, self._fns = self._fns, None
+        if self._engine.drivers:  # a caller may be asleep on the doorbell waiting for this op
+            self._engine.kick()
+        for fn in fns or ():
+            fn()
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()

@@ -1,0 +1,75 @@
+"""A rank that dies (SIGKILL) or stalls becomes a named error on the others within timeout + 2 s,
+and a job with a SIGKILLed rank leaves nothing in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spmd.testing.ports import free_port
+from spmd_shm.segment import shm_dir
+
+SCRIPT = Path(__file__).parent / "fault_script.py"
+WORLD = 3
+
+
+def _segments() -> set[str]:
+    return {name for name in os.listdir(shm_dir()) if name.startswith("spmd-shm-")}
+
+
+def run_world(scenario: str, timeout: float, cwd: Path) -> dict[int, dict]:
+    """Run fault_script.py on WORLD ranks in ``cwd`` (where trace dumps land); the survivors' RESULT lines by rank."""
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"})
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), scenario, str(timeout)],
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=cwd,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
+    results = {}
+    for r, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=timeout + 60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+        if line:
+            results[r] = json.loads(line[len("RESULT "):])
+        elif r != WORLD - 1:
+            raise AssertionError(f"rank {r} printed no result (exit {p.returncode}):\n{out}\n{err[-3000:]}")
+    return results
+
+
+@pytest.mark.parametrize("scenario", ["kill_mid_all_reduce", "kill_before_recv"])
+def test_sigkilled_rank_is_a_named_error_and_leaves_no_segment(scenario: str, tmp_path: Path) -> None:
+    before = _segments()
+    timeout = 20.0
+    results = run_world(scenario, timeout, tmp_path)
+    assert sorted(results) == [0, 1], results
+    for res in results.values():
+        assert res["error"] == "CollectiveError" and res["spmd_error"], res
+        # this rank saw rank 2 exit, or learnt from the survivor that saw it first; both name it
+        assert "ranks [2]" in res["message"] or "reached seq 1: [2]" in res["message"], res["message"]
+        assert res["elapsed"] < timeout + 2, res
+        assert res["after"] == "CollectiveError" and res["after_elapsed"] < 2, res
+    assert any("exited" in res["message"] for res in results.values()), results
+    assert _segments() - before == set(), "the job left shared-memory segments behind"
+
+
+def test_stalled_rank_is_a_timeout_naming_it(tmp_path: Path) -> None:
+    """The first survivor to reach its deadline raises the timeout; the other may instead learn
+    from the kernel that this rank gave up (a CollectiveError): both name the stalled rank."""
+    timeout = 3.0
+    results = run_world("stall", timeout, tmp_path)
+    errors = {results[r]["error"] for r in (0, 1)}
+    assert "CollectiveTimeoutError" in errors and errors <= {"CollectiveTimeoutError", "CollectiveError"}, results
+    for r in (0, 1):
+        res = results[r]
+        assert res["spmd_error"] and "never reached seq 1: [2]" in res["message"], res["message"]
+        # + the kernel's diagnosis: it waits up to 2 s for the ranks' flight-recorder dumps
+        assert res["elapsed"] < timeout + 3, res
+    assert min(results[r]["elapsed"] for r in (0, 1)) > timeout - 0.5, results

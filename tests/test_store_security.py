@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as tdist
 
 from spmd.comm.tcp_store import host_tcp_store
+from spmd.testing.ports import free_port
 
 
 def _outside_address() -> str:
@@ -129,9 +130,7 @@ def test_a_job_token_hides_the_stores_keys_from_a_client_without_it(tmp_path, to
     flags = ["--rdzv-token", token] if token else []
     env = {k: v for k, v in os.environ.items() if k != "SPMD_RDZV_TOKEN"}
     for _attempt in range(3):  # the port is free when picked; another process may take it before the agent binds
-        with socket.socket() as s:
-            s.bind((outside, 0))
-            port = s.getsockname()[1]
+        port = free_port(outside)  # (outside the ephemeral range: no outgoing connection is handed it meanwhile)
         out = _run_job(
             [sys.executable, "-m", "spmd", "run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", f"{outside}:{port}",
              "--rdzv-id", "job7", *flags, str(script), outside, str(port), token or "-"],

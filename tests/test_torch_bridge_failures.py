@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_collective_errors import _launcher
 
-from spmd.testing.ports import free_port
+from spmd.testing.processes import run_ranks
 
 SCRIPT = Path(__file__).parent / "fault_scripts" / "torch_ddp_peer_fails.py"
 
@@ -27,15 +27,7 @@ def _run(backend: str, mode: str) -> list[tuple[int, str, str]]:
         command = [part.replace("{n}", "2") for part in launcher] + [sys.executable, str(SCRIPT), backend, mode]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
         return [(done.returncode, done.stdout, done.stderr)]
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"})
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), backend, mode], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    return [(run.returncode, run.stdout, run.stderr) for run in run_ranks(SCRIPT, [backend, mode], 2, 120)]
 
 
 @pytest.mark.parametrize("backend", ["gloo", "ucc", "mpi"])

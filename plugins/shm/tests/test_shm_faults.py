@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from spmd.testing.ports import free_port
+from spmd.testing.processes import run_ranks
 from spmd_shm.segment import shm_dir
 
 SCRIPT = Path(__file__).parent / "fault_script.py"
@@ -24,23 +22,13 @@ def _segments() -> set[str]:
 
 def run_world(scenario: str, timeout: float, cwd: Path) -> dict[int, dict]:
     """Run fault_script.py on WORLD ranks in ``cwd`` (where trace dumps land); the survivors' RESULT lines by rank."""
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"})
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), scenario, str(timeout)],
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=cwd,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(WORLD)]
     results = {}
-    for r, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=timeout + 60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-        line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    for run in run_ranks(SCRIPT, [scenario, str(timeout)], WORLD, timeout + 60, cwd=cwd):
+        line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line:
-            results[r] = json.loads(line[len("RESULT "):])
-        elif r != WORLD - 1:
-            raise AssertionError(f"rank {r} printed no result (exit {p.returncode}):\n{out}\n{err[-3000:]}")
+            results[run.rank] = json.loads(line[len("RESULT "):])
+        elif run.rank != WORLD - 1:
+            raise AssertionError(f"rank {run.rank} printed no result (exit {run.returncode}):\n{run.stdout}\n{run.stderr[-3000:]}")
     return results
 
 

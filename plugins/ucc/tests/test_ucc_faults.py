@@ -9,24 +9,12 @@ the timeout.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from spmd.testing.processes import run_ranks
 from spmd_ucc import probe
-
-try:
-    from spmd.testing.ports import free_port  # a port outside the ephemeral range (no race)
-except ImportError:  # an spmd without it
-    import socket
-
-    def free_port(host: str = "127.0.0.1") -> int:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return int(s.getsockname()[1])
 
 pytestmark = pytest.mark.skipif(probe.ucxx_missing() is not None, reason=f"ucc backend not usable here: {probe.ucxx_missing()}")
 
@@ -37,25 +25,13 @@ DETECTED_WITHIN = 8.0  # seconds; typically well under one (a busy shared machin
 
 
 def run_world(scenario: str, world: int = 3, extra_env: dict[str, str] | None = None) -> dict[int, dict]:
-    port = free_port()
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world),
-                 "OMP_NUM_THREADS": "1", **(extra_env or {})})
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), scenario, str(TIMEOUT)],
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     results = {}
-    for r, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=TIMEOUT + 30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-        line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    for run in run_ranks(SCRIPT, [scenario, str(TIMEOUT)], world, TIMEOUT + 30, env=extra_env):
+        line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line:
-            results[r] = json.loads(line[len("RESULT "):])
-        elif r != world - 1:
-            raise AssertionError(f"rank {r} printed no result (exit {p.returncode}):\n{out}\n{err[-3000:]}")
+            results[run.rank] = json.loads(line[len("RESULT "):])
+        elif run.rank != world - 1:
+            raise AssertionError(f"rank {run.rank} printed no result (exit {run.returncode}):\n{run.stdout}\n{run.stderr[-3000:]}")
     return results
 
 
@@ -90,10 +66,5 @@ def test_normal_exit_is_clean(how):
     Three jobs of two ranks each, so a regression shows most of the time.
     """
     for _ in range(3):
-        base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        base.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
-        procs = [subprocess.Popen([sys.executable, str(EXIT_SCRIPT), how], env={**base, "RANK": str(r)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0 and "terminate called" not in err, f"exit {p.returncode}:\n{err[-3000:]}"
+        for run in run_ranks(EXIT_SCRIPT, [how], 2, 120):
+            assert run.returncode == 0 and "terminate called" not in run.stderr, f"exit {run.returncode}:\n{run.stderr[-3000:]}"

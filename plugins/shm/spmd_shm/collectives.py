@@ -128,36 +128,28 @@ def broadcast(eng: Engine, work: ShmWork, flat: torch.Tensor, src: int) -> Steps
 
 
 def all_gather(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor) -> Steps:
-    total = inp.numel() * inp.element_size()
-    m, per = inp.numel(), _chunk(eng, inp.element_size())
-    for start in range(0, m, per):
-        piece = inp[start : start + per]
-        k = piece.numel()
-        r = yield from eng.begin_round(work, "all_gather_into_tensor")
-        _write(eng, r, [piece])
-        _sign(eng, r, "all_gather_into_tensor", total)
-        eng.publish(r)
-        yield from eng.await_arrival(work, r, eng.others, "all_gather_into_tensor")
-        _check_sizes(eng, r, eng.others, k * piece.element_size(), "all_gather_into_tensor", total)
-        for q in range(eng.n):
-            out[q * m + start : q * m + start + k].copy_(_read(eng, q, r, inp.dtype, 0, k))
-        eng.finish_round(r)
+    yield from _gather_into(eng, work, out, inp, "all_gather_into_tensor", None)
 
 
 def gather(eng: Engine, work: ShmWork, out: torch.Tensor | None, inp: torch.Tensor, dst: int) -> Steps:
+    yield from _gather_into(eng, work, out, inp, "gather", dst)
+
+
+def _gather_into(eng: Engine, work: ShmWork, out: torch.Tensor | None, inp: torch.Tensor, name: str, dst: int | None) -> Steps:
+    """Every rank's ``inp`` into ``out`` in rank order, chunk by chunk: on every rank, or on ``dst`` only."""
     total = inp.numel() * inp.element_size()
     m, per = inp.numel(), _chunk(eng, inp.element_size())
     for start in range(0, m, per):
         piece = inp[start : start + per]
         k = piece.numel()
-        r = yield from eng.begin_round(work, "gather")
+        r = yield from eng.begin_round(work, name)
         _write(eng, r, [piece])
-        _sign(eng, r, "gather", total)
+        _sign(eng, r, name, total)
         eng.publish(r)
-        if eng.me == dst:
+        if dst is None or eng.me == dst:
             assert out is not None
-            yield from eng.await_arrival(work, r, eng.others, "gather")
-            _check_sizes(eng, r, eng.others, k * piece.element_size(), "gather", total)
+            yield from eng.await_arrival(work, r, eng.others, name)
+            _check_sizes(eng, r, eng.others, k * piece.element_size(), name, total)
             for q in range(eng.n):
                 out[q * m + start : q * m + start + k].copy_(_read(eng, q, r, inp.dtype, 0, k))
         eng.finish_round(r)

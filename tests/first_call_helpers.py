@@ -56,3 +56,37 @@ def async_first_call_that_disagrees(late_s: float) -> dict[str, object]:
     work = spmd.all_reduce(t, group=group, async_op=True)
     returned_after = time.monotonic() - start
     return {"returned_after": returned_after, "wait": _outcome(work.wait)}
+
+
+def async_new_shapes_then_more(late_s: float) -> dict[str, object]:
+    """Rank 1 arrives ``late_s`` late. Two async calls of shapes new to the group, then a blocking one, a barrier
+    and a broadcast: how long the first async call took to return, and every result next to the one-process value."""
+    import time
+
+    group = spmd.new_group([0, 1])
+    spmd.barrier(group=group)
+    rank, size = spmd.get_rank(), spmd.get_world_size()
+    if rank == 1:
+        time.sleep(late_s)
+    summed = torch.full((5,), float(rank + 1))
+    gathered = torch.zeros(2 * size, dtype=torch.int64)
+    start = time.monotonic()
+    first = spmd.all_reduce(summed, group=group, async_op=True)
+    returned_after = time.monotonic() - start
+    second = spmd.all_gather_into_tensor(gathered, torch.tensor([rank, 10 * rank]), group=group, async_op=True)
+    blocking = torch.full((5,), 2.0 * (rank + 1))
+    spmd.all_reduce(blocking, group=group)  # (queued behind the two: submitted in the same order on every rank)
+    spmd.barrier(group=group)
+    broadcast = torch.tensor([float(rank)] * 3)
+    spmd.broadcast(broadcast, src=1, group=group)
+    first.wait()
+    second.wait()
+    ranks = range(size)
+    return {
+        "returned_after": returned_after,
+        "summed": (summed.tolist(), [float(sum(r + 1 for r in ranks))] * 5),
+        "gathered": (gathered.tolist(), [v for r in ranks for v in (r, 10 * r)]),
+        "blocking": (blocking.tolist(), [float(sum(2 * (r + 1) for r in ranks))] * 5),
+        "broadcast": (broadcast.tolist(), [1.0] * 3),
+        "later": _outcome(lambda: spmd.all_reduce(t := torch.ones(5), group=group) or t.tolist()),
+    }

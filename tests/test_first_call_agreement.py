@@ -40,14 +40,26 @@ def test_a_first_call_the_backend_completes_is_named_before_its_result_is_handed
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi", "ucc", "p2p"])
 def test_an_async_first_call_that_disagrees_fails_its_work_on_every_rank(spmd_world, backend):
-    """Rank 1 calls 2 s after rank 0. On MPI and UCC rank 0's async call returns at once (the comparison follows
-    the op, inside its Work); Gloo's comparison precedes the op (a size mismatch aborts Gloo), so there the
-    call waits for rank 1's."""
+    """Rank 1 calls 2 s after rank 0; rank 0's async call returns at once on every backend. On MPI and UCC the
+    comparison follows the op, inside its Work; on Gloo and the isend/irecv plugin (a size mismatch aborts their
+    pairs) it precedes the op, in a thread that submits the op only once the ranks agreed."""
     rank0, rank1 = _run_and_discard(spmd_world, backend, h.async_first_call_that_disagrees, 2.0, timeout=120)
     for r in (rank0, rank1):
         assert r["wait"].startswith("CollectiveDesyncError") and "int32; 4) SUM" in r["wait"], r
-    if backend in ("mpi", "ucc"):
-        assert rank0["returned_after"] < 1.0, rank0  # (wide: a store round trip and the submission, on a loaded host)
+    assert rank0["returned_after"] < 1.0, rank0  # (wide: a store round trip and the submission, on a loaded host)
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi", "ucc", "p2p"])
+def test_ops_after_an_async_first_call_keep_their_order_and_results(spmd_world, backend):
+    """While an async call's comparison waits for a late rank, the group's next calls (async, blocking, a barrier,
+    a broadcast) queue behind it and reach the backend in call order: every result equals the one-process value."""
+    results = _run_and_discard(spmd_world, backend, h.async_new_shapes_then_more, 2.0, timeout=120)
+    for r in results:
+        for case in ("summed", "gathered", "blocking", "broadcast"):
+            got, expected = r[case]
+            assert got == expected, (backend, case, r)
+        assert r["later"] == "no error: [2.0, 2.0, 2.0, 2.0, 2.0]", r
+    assert results[0]["returned_after"] < 1.0, results[0]  # (rank 0's: it called 2 s before rank 1)
 
 
 @pytest.mark.parametrize(("backend", "kind"), [("gloo", "op"), ("ucc", "op"), ("ucc", "dtype")])

@@ -48,7 +48,7 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Process
     """Reduce ``tensor`` across every rank of ``group``, in place, so all ranks hold the result."""
     try:
         g, backend = route(group, tensor, "tensor", "all_reduce", op, timeout)
-        call = begin_sized(g, "all_reduce", (tensor,), op, None, None, backend, timeout, async_op)
+        call, backend = begin_sized(g, "all_reduce", (tensor,), op, None, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         if tensor.is_contiguous() and (op is not AVG or backend.supports_avg and tensor.dtype not in PREDIVIDED):
@@ -81,7 +81,7 @@ def reduce(
     try:
         g, backend = route(group, tensor, "tensor", "reduce", op, timeout)
         root = resolve_root(g, dst, group_dst, "dst", "reduce")
-        call = begin_sized(g, "reduce", (tensor,), op, root, None, backend, timeout, async_op)
+        call, backend = begin_sized(g, "reduce", (tensor,), op, root, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         native = native_op(backend, op, tensor.dtype)
@@ -114,7 +114,7 @@ def reduce_scatter_tensor(
         if input.numel() != output.numel() * g.size:
             raise blocks_error("reduce_scatter_tensor", ("input", input), ("output", output), g.size,
                                f"size the input as torch.empty(({g.size} * n, ...)) for an output of n rows")
-        call = begin_sized(g, "reduce_scatter_tensor", (input, output), op, None, None, backend, timeout, async_op)
+        call, backend = begin_sized(g, "reduce_scatter_tensor", (input, output), op, None, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         native = native_op(backend, op, input.dtype)
@@ -175,7 +175,7 @@ def broadcast(
     try:
         g, backend = route(group, tensor, "tensor", "broadcast", None, timeout)
         root = resolve_root(g, src, group_src, "src", "broadcast")
-        call = begin_sized(g, "broadcast", (tensor,), None, root, None, backend, timeout, async_op)
+        call, backend = begin_sized(g, "broadcast", (tensor,), None, root, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         if tensor.is_contiguous():
@@ -203,7 +203,7 @@ def all_gather_into_tensor(
         if output_tensor.numel() != input_tensor.numel() * g.size:
             raise blocks_error("all_gather_into_tensor", ("output", output_tensor), ("input", input_tensor), g.size,
                                f"allocate it as torch.empty(({g.size} * n, ...)) or torch.empty(({g.size}, n, ...))")
-        call = begin_sized(g, "all_gather_into_tensor", (input_tensor, output_tensor), None, None, None, backend, timeout, async_op)
+        call, backend = begin_sized(g, "all_gather_into_tensor", (input_tensor, output_tensor), None, None, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         aliased = overlaps(input_tensor, output_tensor)  # torch's in-place form: input = output[own block]
@@ -295,7 +295,7 @@ def all_to_all_single(
                 f"{tuple(output.shape[1:])}; they must match"
             )
         given = bool(input_split_sizes) or bool(output_split_sizes)
-        call = begin_sized(g, "all_to_all_single", (input, output), None, None, (in_sizes, out_sizes), backend, timeout, async_op, given)
+        call, backend = begin_sized(g, "all_to_all_single", (input, output), None, None, (in_sizes, out_sizes), backend, timeout, async_op, given)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         aliased = overlaps(input, output)  # all_to_all_single(t, t), or an output shifted over its input
@@ -371,7 +371,7 @@ def gather(
         is_root = g.rank == root
         check_root_list(g, root, gather_list, tensor, "gather_list", "gather", "destination")
         backend = g.backend_for(tensor, "gather", timeout)
-        call = begin_sized(g, "gather", (tensor,), None, root, None, backend, timeout, async_op)
+        call, backend = begin_sized(g, "gather", (tensor,), None, root, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         staged = Contiguous(tensor)
@@ -411,7 +411,7 @@ def scatter(
         check_root_list(g, root, scatter_list, tensor, "scatter_list", "scatter", "source")
         packed = torch.cat([t.reshape(-1) for t in scatter_list]) if is_root and scatter_list is not None else None
         backend = g.backend_for(tensor, "scatter", timeout)
-        call = begin_sized(g, "scatter", (tensor,), None, root, None, backend, timeout, async_op)
+        call, backend = begin_sized(g, "scatter", (tensor,), None, root, None, backend, timeout, async_op)
         if isinstance(call, Work):  # refused before submission (see lifecycle.begin)
             return call
         staged = Contiguous(tensor, copy_in=False)
@@ -432,7 +432,7 @@ def barrier(
     try:
         g = resolve_group(group)
         device = "cpu" if g.backend_map is None or "cpu" in g.backend_map else next(iter(g.backend_map))
-        backend = g.backend(device, "barrier", timeout)
+        backend = g.backends_by_device.get(torch.device(device)) or g.backend(device, "barrier", timeout)  # (a deferral.Gate queues it)
         call = begin(g, "barrier", (), None, None)
         return complete(backend.barrier(), g, "barrier", call, async_op, timeout=timeout)
     except Exception as error:

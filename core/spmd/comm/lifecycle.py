@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from spmd.comm import deferral
 from spmd.comm.backend import Backend
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
@@ -93,7 +94,7 @@ def begin_sized(
     timeout: Timeout,
     async_op: bool,
     splits_given: bool = False,
-) -> Call | Work:
+) -> tuple[Call | Work, Backend]:
     """``begin`` for an op whose ranks' buffers must match in size: on a backend that aborts on a
     mismatch, a call shape new to the group is first compared across its ranks.
 
@@ -102,8 +103,11 @@ def begin_sized(
     others' calls stay the same, so such a call is compared at every call (a
     per-rank cache would send only that rank into the comparison).
 
-    Returns what ``complete`` needs, or, for an async op whose cross-rank check
-    ran out of time, the failed Work to hand the caller instead of submitting.
+    Returns what ``complete`` needs (or, for an op refused by the cross-rank
+    check, the failed Work to hand the caller instead of submitting) and the
+    backend to submit to: the group's ``deferral.Gate`` while an async call's
+    comparison is pending (it queues the ops and submits them, in order, once
+    the ranks agreed), so an async call returns at once on every backend.
     """
     if group.size > 1 and agree_first_calls and not desync.on:
         if len(tensors) == 1:
@@ -116,16 +120,22 @@ def begin_sized(
                 desync.post(group, entry, root)
                 if not splits_given:
                     group.agreed_calls.add(shape)
-                return Unagreed(entry, root, splits, timeout)
+                return Unagreed(entry, root, splits, timeout), backend
+            if async_op:  # compared in the gate's thread; this op and the group's next ones queue behind it
+                gate = deferral.gate_for(group, backend, tensors[0].device)
+                gate.check_first(lambda: _check_first_call(group, entry, root, splits, timeout, True))
+                if not splits_given:
+                    group.agreed_calls.add(shape)
+                return entry, gate  # type: ignore[return-value]  # (a Gate stands in for the backend)
             refused = _check_first_call(group, entry, root, splits, timeout, async_op)
             if refused is not None:
-                return refused
+                return refused, backend
             if not splits_given:
                 group.agreed_calls.add(shape)
-            return entry
+            return entry, backend
     if desync.on or splits is not None:
-        return begin(group, op, tensors, reduce_op, root, splits, timeout)
-    return (op, tensors, reduce_op)  # begin's common case, without its frame
+        return begin(group, op, tensors, reduce_op, root, splits, timeout), backend
+    return (op, tensors, reduce_op), backend  # begin's common case, without its frame
 
 
 def _break_on_disagreement(group: ProcessGroup, entry: Entry, error: CollectiveDesyncError) -> None:

@@ -174,8 +174,9 @@ def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, split
                       timeout: Timeout, async_op: bool) -> Work | None:
     """All ranks compare a call shape new to this group before the backend sees it (see ``Backend.aborts_on_size_mismatch``).
 
-    The call waits for the other ranks' shapes (an async one too: a store round
-    trip once per shape). A disagreement is a CollectiveDesyncError naming
+    The call waits for the other ranks' shapes (a store round trip once per
+    shape; an async call runs this in its group's ``deferral.Gate`` thread
+    instead, with ``async_op`` True). A disagreement is a CollectiveDesyncError naming
     every rank's call, on every rank before any issued the op (raised, or for an
     async op returned as its failed Work); the group is then unusable, as after any mismatch. A rank that never makes the call ends the wait as the
     op's own timeout would, with the same diagnosis (the op, its group and

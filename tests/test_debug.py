@@ -17,7 +17,7 @@ import spmd
 from spmd.comm.backend import Backend, BackendSpec
 from spmd.comm.work import Work
 from spmd.debug import analyze
-from spmd.debug.recorder import FlightRecorder, recorder
+from spmd.debug.recorder import FlightRecorder, recorder, shapes_and_dtypes
 from spmd.plugins import manager
 from spmd.testing.ports import free_port
 
@@ -190,10 +190,10 @@ def test_ops_that_succeeded_when_recorded_read_back_as_completed_entries():
     """The ring keeps such ops as Records (tuples); every reader sees Entries, in order, with their fields."""
     rec = FlightRecorder(10)
     t, pair = torch.ones(2, 3), (torch.ones(4), torch.zeros(8, dtype=torch.float64))
-    rec.completed("g", 0, "all_reduce", (t,), spmd.ReduceOp.SUM)
+    rec.completed("g", 0, "all_reduce", *shapes_and_dtypes((t,)), spmd.ReduceOp.SUM)
     rec.start("g", 1, "broadcast", (t,))  # still running: an Entry
-    rec.completed("g", 2, "all_gather_into_tensor", pair, None)
-    rec.completed("g", 3, "gather", (t, t, t), None)
+    rec.completed("g", 2, "all_gather_into_tensor", *shapes_and_dtypes(pair), None)
+    rec.completed("g", 3, "gather", *shapes_and_dtypes((t, t, t)), None)
     snapshot = rec.snapshot()
     assert [(e["seq"], e["op"], e["state"]) for e in snapshot] == [
         (0, "all_reduce", "completed"), (1, "broadcast", "started"), (2, "all_gather_into_tensor", "completed"), (3, "gather", "completed")]

@@ -19,7 +19,7 @@ from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import NativeWork, NativeWorkAdapter, Timeout, Work, seconds
 from spmd.debug import desync
-from spmd.debug.recorder import Entry, recorder
+from spmd.debug.recorder import Entry, recorder, shapes_and_dtypes
 from spmd.debug.watchdog import adopt_announcements
 from spmd.errors import CollectiveDesyncError, CollectiveError, CollectiveTimeoutError
 
@@ -52,9 +52,11 @@ class Unagreed:
             raise
 
 
-#: What ``begin`` hands ``complete``: the recorded entry, or the op, tensors and reduce op to record
-#: (all_to_all_single adds no peer and its splits: ``recorder.start``'s further arguments).
-Call = Entry | Unagreed | tuple[str, Sequence[torch.Tensor], ReduceOp | None] | tuple[str, Sequence[torch.Tensor], None, None, tuple[Sequence[int], Sequence[int]]]
+#: What ``begin`` hands ``complete``: the recorded entry, or the op, its tensors' shapes and dtypes
+#: (``recorder.shapes_and_dtypes``, computed once per op) and reduce op to record; or for all_to_all_single
+#: the op, its tensors, no reduce op, no peer and its splits (``recorder.start``'s arguments).
+Call = (Entry | Unagreed | tuple[str, tuple[torch.Size, ...], tuple[torch.dtype, ...], ReduceOp | None]
+        | tuple[str, Sequence[torch.Tensor], None, None, tuple[Sequence[int], Sequence[int]]])
 
 
 def begin(
@@ -80,7 +82,7 @@ def begin(
         return entry
     if splits is not None:  # recorded with the entry: the always-on check compares them across ranks
         return (op, tensors, None, None, splits)
-    return (op, tensors, reduce_op)
+    return (op, *shapes_and_dtypes(tensors), reduce_op)
 
 
 def begin_sized(
@@ -109,11 +111,18 @@ def begin_sized(
     comparison is pending (it queues the ops and submits them, in order, once
     the ranks agreed), so an async call returns at once on every backend.
     """
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    if len(tensors) == 1:  # shapes_and_dtypes, inline: this runs once per op (and the recorder reuses them)
+        tensor = tensors[0]
+        shapes, dtypes = (tensor.shape,), (tensor.dtype,)
+    else:
+        shapes, dtypes = shapes_and_dtypes(tensors)
     if group.size > 1 and agree_first_calls and not desync.on:
-        if len(tensors) == 1:
-            shape: tuple = (op, tensors[0].shape, tensors[0].dtype, reduce_op, root)
+        if splits is None:
+            shape: tuple = (op, shapes, dtypes, reduce_op, root)
         else:
-            shape = (op, tuple((t.shape, t.dtype) for t in tensors), reduce_op, root, splits and tuple(map(tuple, splits)))
+            shape = (op, shapes, dtypes, reduce_op, root, tuple(map(tuple, splits)))
         if shape not in group.agreed_calls:
             entry = recorder.start(group.name, group.next_seq(), op, tensors, reduce_op, None, splits)
             if not backend.aborts_on_size_mismatch:  # the op may run; its result is handed back once agreed
@@ -135,7 +144,7 @@ def begin_sized(
             return entry, backend
     if desync.on or splits is not None:
         return begin(group, op, tensors, reduce_op, root, splits, timeout), backend
-    return (op, tensors, reduce_op), backend  # begin's common case, without its frame
+    return (op, shapes, dtypes, reduce_op), backend  # begin's common case, without its frame
 
 
 def _break_on_disagreement(group: ProcessGroup, entry: Entry, error: CollectiveDesyncError) -> None:
@@ -226,8 +235,8 @@ def _record(group: ProcessGroup, call: Call, done: bool = False) -> Entry:
         return call.entry
     seq = group.seq  # group.next_seq(), inline: this runs once per op
     group.seq = seq + 1
-    if len(call) == 3:
-        return recorder.start(group.name, seq, call[0], call[1], call[2], done=done)
+    if len(call) == 4:
+        return recorder.start(group.name, seq, call[0], (), call[3], done=done, shaped=(call[1], call[2]))
     return recorder.start(group.name, seq, *call, done=done)
 
 
@@ -261,12 +270,12 @@ def complete(
             return None
         work = NativeWorkAdapter(work)  # (Work.from_native also checks the methods: not on the hot path)
     succeeded = work._is_done and work._error is None
-    if succeeded and type(call) is tuple and len(call) == 3 and (after is None or not async_op):
+    if succeeded and type(call) is tuple and len(call) == 4 and (after is None or not async_op):
         # Already succeeded (Work.completed(), a fast worker thread): recorded as completed in one
         # Record (see spmd.debug.recorder), and a synchronous op needs nothing more.
         seq = group.seq  # group.next_seq(), inline: this runs once per op
         group.seq = seq + 1
-        record = recorder.completed(group.name, seq, call[0], call[1], call[2])
+        record = recorder.completed(group.name, seq, call[0], call[1], call[2], call[3])
         if not async_op:
             if after is not None:
                 after()

@@ -106,15 +106,16 @@ class Entry(_RareFields):
         return entry
 
 
-def _shapes_and_dtypes(tensors: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Size], Sequence[torch.dtype]]:
-    """What a record keeps of an op's tensors: their shapes (torch.Size is immutable: no copy) and dtypes."""
+def shapes_and_dtypes(tensors: Sequence[torch.Tensor]) -> tuple[tuple[torch.Size, ...], tuple[torch.dtype, ...]]:
+    """What a record keeps of an op's tensors: their shapes (torch.Size is immutable: no copy) and dtypes
+    (hashable: the kernel keys a group's agreed call shapes with them, computed once per op)."""
     if len(tensors) == 1:  # the common cases, without a comprehension's frame
         tensor = tensors[0]
         return (tensor.shape,), (tensor.dtype,)
     if len(tensors) == 2:  # input and output
         first, second = tensors
         return (first.shape, second.shape), (first.dtype, second.dtype)
-    return [t.shape for t in tensors], [t.dtype for t in tensors]
+    return tuple(t.shape for t in tensors), tuple(t.dtype for t in tensors)
 
 
 def entry_of(item: Entry | Record) -> Entry:
@@ -144,15 +145,17 @@ class FlightRecorder:
         self.lock = threading.Lock()
 
     def start(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any = None, peer: int | None = None,
-              splits: tuple[Sequence[int], Sequence[int]] | None = None, *, done: bool = False) -> Entry:
+              splits: tuple[Sequence[int], Sequence[int]] | None = None, *, done: bool = False,
+              shaped: tuple[tuple[torch.Size, ...], tuple[torch.dtype, ...]] | None = None) -> Entry:
         """Record an op that started (or, with ``done``, one that already completed without error).
 
         The hot path of every op, in one frame: the Entry is built here and
-        only the fields this op has are stored.
+        only the fields this op has are stored. ``shaped``: the tensors'
+        ``shapes_and_dtypes``, when the caller has them already (``tensors`` is then not read).
         """
         entry = _new_entry(Entry)
         entry.group, entry.seq, entry.op, entry.reduce_op = group, seq, op, reduce_op
-        entry.shapes, entry.dtypes = _shapes_and_dtypes(tensors)
+        entry.shapes, entry.dtypes = shaped if shaped is not None else shapes_and_dtypes(tensors)
         if peer is not None:
             entry.peer = peer
         if splits is not None:
@@ -179,10 +182,10 @@ class FlightRecorder:
             entry._progress = None
         return entry
 
-    def completed(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any) -> Record:
+    def completed(self, group: str, seq: int, op: str, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype],
+                  reduce_op: Any) -> Record:
         """Record a collective that already succeeded, as a ``Record``: ``start(..., done=True)`` for
         the hot path of every synchronous op, at a third of its cost (no Entry, no peer or splits)."""
-        shapes, dtypes = _shapes_and_dtypes(tensors)
         record: Record = (group, seq, op, shapes, dtypes, reduce_op, _now())
         if self.enabled:
             self.entries.append(record)

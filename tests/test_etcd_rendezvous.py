@@ -147,7 +147,12 @@ def test_the_survivor_reforms_the_job_after_the_store_hosting_node_is_killed(etc
            str(SCRIPTS / "etcd_steps.py"), str(tmp_path)]
     agents = _agents(cmd)
     try:
-        wait_for(lambda: (tmp_path / "ready-0").exists() and (tmp_path / "ready-1").exists(), 30, "both nodes' workers")
+        try:
+            wait_for(lambda: (tmp_path / "ready-0").exists() and (tmp_path / "ready-1").exists(), 30, "both nodes' workers")
+        except AssertionError:
+            for a in agents:
+                os.killpg(a.pid, signal.SIGKILL)
+            raise AssertionError([a.communicate(timeout=10) for a in agents]) from None
         host_pid = int((tmp_path / "ready-0").read_text())
         victim = next(a for a in agents if a.pid == host_pid)
         survivor = next(a for a in agents if a is not victim)

@@ -1,7 +1,8 @@
 """All-reduce steps until the job is cut; a restarted attempt does a few steps and reports.
 
-argv[1]: a folder. With two nodes, each rank writes ``ready-<GROUP_RANK>`` there (its agent's pid)
-and keeps stepping (at most 60 s) until a peer is lost; a restarted attempt checks its sum and exits 0.
+argv[1]: a folder. On the first attempt, with two nodes each rank writes ``ready-<GROUP_RANK>`` there
+(its agent's pid); every rank keeps stepping (at most 60 s) until the round is cut; a restarted
+attempt checks its sum and exits 0.
 """
 
 import os
@@ -16,8 +17,9 @@ import spmd
 folder = Path(sys.argv[1])
 spmd.init("gloo")
 world, restart = spmd.get_world_size(), int(os.environ["SPMD_RESTART_COUNT"])
-if world == 2 and restart == 0:
-    (folder / f"ready-{os.environ['GROUP_RANK']}").write_text(str(os.getppid()))
+if restart == 0:  # (a first round of one node is restarted for the other when it arrives: no restart used)
+    if world == 2:
+        (folder / f"ready-{os.environ['GROUP_RANK']}").write_text(str(os.getppid()))
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         t = torch.ones(1)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ def _store(server, prefix: str = "/t/", timeout: float = 5.0) -> EtcdStore:
 def test_store_answers_as_tcpstore_does(etcd_server):
     """The same calls on a real TCPStore and on etcd give the same answers (compare_set's odd cases included)."""
     etcd = _store(etcd_server)
-    tcp = tdist.TCPStore("127.0.0.1", 0, None, True, timeout=__import__("datetime").timedelta(seconds=5))
+    tcp = tdist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=5))
     calls = [
         ("add", "n", 3), ("add", "n", 0), ("add", "n", -1),
         ("compare_set", "c", "", "first"), ("compare_set", "c", "", "second"), ("compare_set", "c", "first", "third"),
@@ -120,7 +121,7 @@ def test_spmd_run_with_etcd_unreachable_exits_fast_with_the_named_error():
     out = subprocess.run([*SPMD, "run", "--rdzv-backend", "etcd", "--rdzv-endpoint", dead, "--nnodes", "2", str(SCRIPTS / "report.py")],
                          env=clean_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and time.monotonic() - started < 15
-    assert f"no etcd endpoint answered /v3/kv/range within" in out.stderr and f"--rdzv-endpoint {dead}" in out.stderr, out.stderr
+    assert "no etcd endpoint answered /v3/kv/range within" in out.stderr and f"--rdzv-endpoint {dead}" in out.stderr, out.stderr
 
 
 def _agents(cmd: list[str], n: int = 2) -> list[subprocess.Popen]:
@@ -170,3 +171,12 @@ def test_the_survivor_reforms_the_job_after_the_store_hosting_node_is_killed(etc
     assert len(done) == 1 and done[0].startswith("DONE world=1 restart=1 sum=1.0"), out
     assert "restarting the group (1/1)" in err
     print(f"survivor finished {took:.1f} s after the kill")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--rdzv-backend", "zk", "--rdzv-endpoint", "127.0.0.1:1"], "--rdzv-backend 'zk': no plugin provides it; installed: c10d, etcd"),
+    (["--rdzv-backend", "etcd"], "--rdzv-backend etcd meets at --rdzv-endpoint: pass its address"),
+])
+def test_a_backend_that_cannot_be_used_is_named(flags, message):
+    out = subprocess.run([*SPMD, "run", *flags, str(SCRIPTS / "report.py")], env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and message in out.stderr, out.stderr

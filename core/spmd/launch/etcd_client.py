@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -181,7 +180,3 @@ class EtcdClient:
             if error.code != NOT_FOUND:
                 raise
 
-
-def is_socket_error(error: BaseException) -> bool:
-    """Whether ``error`` is a network failure (for callers that retry)."""
-    return isinstance(error, (OSError, socket.timeout, RendezvousUnreachableError))

@@ -13,7 +13,7 @@ from spmd.errors import SpmdError
 from spmd.plugins import manager
 
 #: The hooks whose results ``spmd plugins`` lists, and how each is labelled.
-_LISTED_HOOKS = ("spmd_backends", "spmd_strategies", "spmd_schedules", "spmd_storages", "spmd_cluster_environments", "spmd_sharding_rules")
+_LISTED_HOOKS = ("spmd_backends", "spmd_strategies", "spmd_schedules", "spmd_storages", "spmd_cluster_environments", "spmd_rendezvous_backends", "spmd_sharding_rules")
 
 
 def _provided() -> dict[str, dict[str, list[str]]]:

@@ -35,6 +35,10 @@ class CollectiveDesyncError(SpmdError):
     """Ranks of a group called different collectives (or shapes/dtypes) at one sequence number."""
 
 
+class RendezvousUnreachableError(SpmdError, ConnectionError):
+    """The rendezvous service of ``spmd run`` (an etcd cluster, the agents' store) cannot be reached or refused a request."""
+
+
 class NotYetInSpmdError(SpmdError, ImportError):
     """A torch.distributed name that spmd's mirror module does not provide yet; the message names the closest spmd way.
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # annotations only: importing these at run time would load th
     from spmd.bench.timing import PeerContext
     from spmd.comm.backend import BackendSpec
     from spmd.launch.environments import ClusterEnvironment
+    from spmd.launch.rdzv_backends import RendezvousBackendSpec
     from spmd.parallel.registry import StrategySpec
 
     #: What a bench peer factory returns: op name -> ``make(nbytes) -> call()``.
@@ -175,6 +176,21 @@ def spmd_cluster_environments() -> Iterable[ClusterEnvironment]:
     Each environment has ``name``, ``priority``, ``detect() -> bool`` and
     ``launch_info() -> spmd.launch.environments.LaunchInfo`` (rank, world
     size, local rank, master address and port).
+    """
+
+
+@hookspec
+def spmd_rendezvous_backends() -> Iterable[RendezvousBackendSpec]:
+    """Return the rendezvous backends ``spmd run --rdzv-backend NAME`` can meet on.
+
+    Signature: ``spmd_rendezvous_backends() -> Iterable[spmd.launch.rdzv_backends.RendezvousBackendSpec]``
+    (``name``, ``factory(config: RunConfig) -> RendezvousBackend``, ``description``, ``overrides``).
+    Called: by each ``spmd run`` agent before its first round. A RendezvousBackend gives the agent
+    ``store`` (torch's Store API: ``add``, ``compare_set``, ``check``, ``set``, ``get``, ``delete_key``;
+    the rounds of ``spmd.launch.rendezvous.Rendezvous`` run on it), ``endpoint``, ``local_address``,
+    and ``round_store(rdzv, membership) -> (host:port, hosted_here)``: the c10d store of the round's
+    workers. Builtin: ``c10d`` (node 0's agent hosts a TCPStore) and ``etcd`` (an etcd v3 cluster).
+    Two specs with one name are an error unless one sets ``overrides=True``.
     """
 
 

@@ -42,6 +42,8 @@ ENV_BLOCK = "SPMD_BLOCK_PLUGINS"
 #: Builtin plugins, registered before any entry point (the way pytest ships its features).
 BUILTIN_PLUGINS = (
     "spmd.launch.environments",
+    "spmd.launch.c10d_rendezvous",
+    "spmd.launch.etcd_rendezvous",
     "spmd.parallel.builtin",
     "spmd.pipeline.builtin",
     "spmd.tensor.rules",

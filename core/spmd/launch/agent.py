@@ -44,13 +44,8 @@ from spmd.errors import SpmdError
 from spmd.launch.args import RunConfig
 from spmd.launch.containment import Containment
 from spmd.launch.logs import make_log_root, temporary_logs
-from spmd.launch.rendezvous import (
-    Membership,
-    Rendezvous,
-    connect_store,
-    free_port,
-    local_address_towards,
-)
+from spmd.launch.rdzv_backends import RendezvousBackend, open_backend
+from spmd.launch.rendezvous import Membership, Rendezvous
 from spmd.launch.workers import Failure, WorkerGroup
 
 
@@ -83,26 +78,25 @@ class Agent:
         self._containment: Containment | None = None
         self.group: WorkerGroup | None = None
         self.restarts = 0
+        self._backend: RendezvousBackend | None = None
+        self._left_last = False  # this agent saw every other agent leave: the job's rendezvous keys may go
 
     # -- setup ---------------------------------------------------------------------------
     def _rendezvous(self) -> tuple[Rendezvous, bool, str]:
+        """Connect to the job's rendezvous (the --rdzv-backend plugin); (rounds, hosting the agents' store, this node's address)."""
         c = self.config
-        if c.standalone:
-            endpoint = f"127.0.0.1:{free_port('127.0.0.1')}"
-            store, hosting = connect_store(endpoint, c.rdzv_timeout, host_it=True)
-        else:
-            assert c.rdzv_endpoint is not None
-            endpoint = c.rdzv_endpoint
-            # node 0 hosts; so does the only node of a one-node job: a port already taken by
-            # something else must be an error at once, not a wait on a stranger's socket
-            host_it = True if c.node_rank == 0 or c.max_nodes == 1 else (False if c.node_rank else None)
-            store, hosting = connect_store(endpoint, c.rdzv_timeout, host_it)
-        host, _, port = endpoint.rpartition(":")
-        me = local_address_towards(host, int(port)) if not c.standalone else "127.0.0.1"
-        rdzv = Rendezvous(job_scope(store, c.rdzv_token), c.rdzv_id, c.min_nodes, c.max_nodes, c.rdzv_timeout, c.last_call)
-        self._store = store  # keep the hosted server alive
-        self._endpoint = endpoint
-        return rdzv, hosting, me
+        backend = open_backend(c)
+        rdzv = Rendezvous(job_scope(backend.store, c.rdzv_token), c.rdzv_id, c.min_nodes, c.max_nodes, c.rdzv_timeout, c.last_call)
+        self._backend = backend
+        self._store = backend.store  # keep a hosted server alive
+        self._endpoint = backend.endpoint
+        return rdzv, backend.hosting, backend.local_address
+
+    def _round_store(self, rdzv: Rendezvous, membership: Membership, hosting: bool) -> tuple[str, bool]:
+        """The workers' store for this round (host:port) and whether this agent hosts it."""
+        if self._backend is None:
+            return self._endpoint, hosting
+        return self._backend.round_store(rdzv, membership)
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -152,6 +146,11 @@ class Agent:
             self._containment.close(self.config.stop_grace, self.group.processes() if self.group is not None else None)
         for folder in self.temp_dirs:
             shutil.rmtree(folder, ignore_errors=True)
+        if self._backend is not None:
+            try:
+                self._backend.close(last=self._left_last)
+            except SpmdError as error:
+                _say(f"could not release the rendezvous at {self._endpoint}: {error}")
 
     def _reap(self) -> None:
         """Reap adopted orphans that exited (this agent is their subreaper)."""
@@ -171,10 +170,12 @@ class Agent:
 
     def _run(self) -> int:
         c = self.config
-        rdzv, hosting, me = self._rendezvous()
+        rdzv, agents_store_here, me = self._rendezvous()
         self._rdzv = rdzv
         while True:
-            membership = replace(rdzv.join(c.nproc_per_node, c.node_rank, me), store_endpoint=self._endpoint)
+            membership = rdzv.join(c.nproc_per_node, c.node_rank, me)
+            store_endpoint, hosting = self._round_store(rdzv, membership, agents_store_here)
+            membership = replace(membership, store_endpoint=store_endpoint)
             if c.master_addr:  # --master-addr names node 0 as torchrun's static rendezvous does
                 membership = replace(membership, master_addr=c.master_addr)
             round_ = membership.round
@@ -285,6 +286,7 @@ class Agent:
         deadline = time.monotonic() + limit
         while int(rdzv.store.add(left_key, 0)) < num_nodes - 1 and time.monotonic() < deadline:
             time.sleep(self.config.monitor_interval)  # every other agent's last look at the store comes first
+        self._left_last = int(rdzv.store.add(left_key, 0)) >= num_nodes - 1
 
 
 def _failure_of(rdzv: Rendezvous, failed_key: str) -> Failure | None:

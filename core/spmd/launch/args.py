@@ -8,6 +8,7 @@ import signal
 from dataclasses import dataclass
 
 from spmd.launch.logs import TEMP_LOG_MIB, temp_log_bytes
+from spmd.launch.rdzv_backends import canonical
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class RunConfig:
     signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
     rdzv_token: str | None = None  # the job token: the store's keys live under a namespace derived from it
     temp_log_bytes: int = TEMP_LOG_MIB << 20  # of each temp --tee log file (no --log-dir), the bytes kept
+    rdzv_backend: str = "c10d"  # a spmd_rendezvous_backends name: c10d (an agent hosts the store) or etcd
 
 
 def _nodes(text: str) -> tuple[int, int]:
@@ -82,7 +84,6 @@ def _nproc(text: str) -> int:
 
 #: torchrun flags that ``spmd run`` accepts and what each does here: flag -> (alias, metavar or None for a switch, note).
 ACCEPTED: dict[str, tuple[str, str | None, str]] = {
-    "--rdzv-backend": ("--rdzv_backend", "BACKEND", "spmd run always meets over its own TCP store at --rdzv-endpoint (c10d, static and etcd alike)"),
     "--rdzv-conf": ("--rdzv_conf", "CONF", "join_timeout and last_call_timeout set --rdzv-timeout and --last-call; other keys are ignored"),
     "--start-method": ("--start_method", "METHOD", "workers are always fresh processes (like spawn)"),
     "--event-log-handler": ("--event_log_handler", "HANDLER", "no event log; the agent reports to stderr"),
@@ -137,7 +138,11 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--nproc-per-node", "--nproc_per_node", default="1", help="workers per node: a number, or auto (GPUs if any, else CPUs)")
     add("--nnodes", default="1", help="number of nodes: N, or MIN:MAX for elastic membership")
     add("--node-rank", "--node_rank", type=int, default=None, help="this node's rank (static); default: order of arrival")
-    add("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="host:port of the rendezvous store (one agent hosts it)")
+    add("--rdzv-backend", "--rdzv_backend", default="c10d",
+        help="where the agents meet: c10d (default; torchrun's static too: node 0's agent hosts a TCPStore at --rdzv-endpoint) "
+        "or etcd (an etcd v3 cluster at --rdzv-endpoint that no agent hosts, so the job re-forms after losing any node)")
+    add("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+        help="host:port of the rendezvous store (c10d: node 0's agent hosts it); etcd: its client URLs, host:port[,host:port...]")
     add("--rdzv-id", "--rdzv_id", default="none", help="job id: agents with the same id form one job")
     add("--rdzv-timeout", type=float, default=300.0, help="seconds to wait for MIN nodes at each rendezvous, and for the other nodes once this node's workers finished")
     add("--last-call", type=float, default=2.0, help="seconds to wait for more nodes once MIN arrived (elastic)")
@@ -185,6 +190,10 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         endpoint = f"{ns.master_addr or '127.0.0.1'}:{ns.master_port or 29500}"  # torchrun's static rendezvous
     if high > 1 and not endpoint:
         raise SystemExit("spmd run: with --nnodes > 1 pass --rdzv-endpoint host:port (the same on every node)")
+    backend = canonical(ns.rdzv_backend)
+    if backend != "c10d" and (ns.standalone or not ns.rdzv_endpoint):
+        raise SystemExit(f"spmd run: --rdzv-backend {ns.rdzv_backend} meets at --rdzv-endpoint: pass its address "
+                         "(for etcd, its client URLs host:port[,host:port...]); --standalone and --master-addr are for c10d")
     return RunConfig(
         nproc_per_node=nproc,
         min_nodes=low,
@@ -209,4 +218,5 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         signals=_signals(ns.signals_to_handle),
         rdzv_token=ns.rdzv_token or os.environ.get("SPMD_RDZV_TOKEN") or None,
         temp_log_bytes=temp_log_bytes(),
+        rdzv_backend=backend,
     )

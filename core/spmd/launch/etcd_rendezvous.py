@@ -1,0 +1,62 @@
+"""The builtin ``etcd`` rendezvous backend: the agents meet on an etcd v3 cluster, which no agent hosts.
+
+``spmd run --rdzv-backend etcd --rdzv-endpoint etcd0:2379[,etcd1:2379]`` runs
+the same numbered rounds as ``c10d`` on etcd keys (``etcd_store.EtcdStore``).
+The workers still need a c10d store: each round's node 0 hosts a fresh
+TCPStore for that round and publishes its address in the round's keys, so
+when that node dies the survivors' next round elects another host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch.distributed as tdist
+
+from spmd.comm.tcp_store import host_tcp_store
+from spmd.launch.args import RunConfig
+from spmd.launch.etcd_client import EtcdClient, parse_endpoints
+from spmd.launch.etcd_store import EtcdStore
+from spmd.launch.rdzv_backends import RendezvousBackend, RendezvousBackendSpec
+from spmd.launch.rendezvous import Membership, Rendezvous, local_address_towards
+from spmd.markers import hookimpl
+
+#: Seconds each request to etcd may take, per endpoint tried.
+REQUEST_TIMEOUT = 5.0
+
+
+class EtcdRendezvous(RendezvousBackend):
+    """The job's rounds on etcd under ``/spmd/<rdzv-id>/``; this agent hosts the workers' store in rounds where it is node 0."""
+
+    def __init__(self, config: RunConfig) -> None:
+        if config.rdzv_endpoint is None:
+            raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint")  # (args.to_config refuses this first)
+        endpoints = parse_endpoints(config.rdzv_endpoint)
+        self.client = EtcdClient(endpoints, timeout=min(REQUEST_TIMEOUT, config.rdzv_timeout))
+        self.endpoint = self.client.describe()
+        self._etcd = EtcdStore(self.client, f"/spmd/{config.rdzv_id}/".encode(), config.rdzv_timeout)
+        self.store = self._etcd
+        host, port = endpoints[0]
+        self.local_address = local_address_towards(host, port)
+        self.timeout = config.rdzv_timeout
+        self._hosted: tdist.TCPStore | None = None  # this agent's round store, while it is the round's node 0
+
+    def round_store(self, rdzv: Rendezvous, membership: Membership) -> tuple[str, bool]:
+        self._hosted = None  # the last round's store (its workers are stopped) goes
+        if membership.node_rank == 0:
+            hosted = host_tcp_store(self.local_address, 0, None, timedelta(seconds=self.timeout), wait_for_workers=False, multi_tenant=False)
+            self._hosted = hosted
+            rdzv.set(membership.round, "store", f"{self.local_address}:{hosted.port}")
+            return f"{self.local_address}:{hosted.port}", True
+        return rdzv.get(membership.round, "store"), False  # waits for node 0 to publish it
+
+    def close(self, last: bool) -> None:
+        self._hosted = None
+        self._etcd.close(revoke=last)
+
+
+@hookimpl
+def spmd_rendezvous_backends() -> Iterable[RendezvousBackendSpec]:
+    return [RendezvousBackendSpec("etcd", EtcdRendezvous, "an etcd v3 cluster at --rdzv-endpoint (no agent hosts the rendezvous; "
+                                  "each round's node 0 hosts that round's worker store)")]

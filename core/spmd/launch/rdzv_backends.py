@@ -1,0 +1,98 @@
+"""Rendezvous backends of ``spmd run``: where the agents meet, as plugins (``spmd_rendezvous_backends``).
+
+A backend gives the agent a key-value store with torch's Store API (``add``,
+``compare_set``, ``check``, ``set``, ``get``, ``delete_key``), on which the
+numbered rounds of ``spmd.launch.rendezvous.Rendezvous`` run, and tells each
+round's workers which c10d store to keep their job keys in. Builtin: ``c10d``
+(one agent hosts a TCPStore; torchrun's ``static`` is the same) and ``etcd``
+(an etcd v3 cluster; no agent hosts anything the next round needs).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from spmd.errors import PluginConflictError, SpmdError
+from spmd.plugins import HookTable
+
+if TYPE_CHECKING:
+    import torch.distributed as tdist
+
+    from spmd.launch.args import RunConfig
+    from spmd.launch.rendezvous import Membership, Rendezvous
+
+#: torchrun's backend names and what serves them here.
+ALIASES = {"static": "c10d", "etcd-v2": "etcd"}
+
+
+class RendezvousBackend(ABC):
+    """One agent's link to its job's rendezvous: the agents' store, and each round's store for the workers."""
+
+    #: The agents' store (torch Store API); the rounds' keys live there.
+    store: tdist.Store
+    #: Where the store is, as messages name it (``host:port``, or several for etcd).
+    endpoint: str
+    #: The address of this node that the other nodes reach it at.
+    local_address: str
+    #: Whether this agent hosts the agents' store (its exit ends the rendezvous: it leaves last).
+    hosting: bool = False
+
+    @abstractmethod
+    def round_store(self, rdzv: Rendezvous, membership: Membership) -> tuple[str, bool]:
+        """``host:port`` of the c10d store this round's workers use, and whether this agent hosts it
+        (then the agent leaves only after every other agent has read the round's outcome)."""
+
+    def close(self, last: bool) -> None:  # noqa: B027 - optional
+        """Release what the agent holds; ``last``: every other agent has left, the job's keys may go."""
+
+
+@dataclass(frozen=True)
+class RendezvousBackendSpec:
+    """What ``spmd_rendezvous_backends()`` returns: ``--rdzv-backend NAME`` and ``factory(config) -> RendezvousBackend``."""
+
+    name: str
+    factory: Callable[[RunConfig], RendezvousBackend]
+    description: str = ""
+    overrides: bool = False
+
+
+def _collect(pm: object) -> dict[str, tuple[RendezvousBackendSpec, str]]:
+    found: dict[str, tuple[RendezvousBackendSpec, str]] = {}
+    for plugin, specs in pm.hook_results("spmd_rendezvous_backends"):  # type: ignore[attr-defined]
+        for spec in specs:
+            if not isinstance(spec, RendezvousBackendSpec):
+                raise TypeError(f"plugin {plugin!r} returned {spec!r} from spmd_rendezvous_backends; expected "
+                                "spmd.launch.rdzv_backends.RendezvousBackendSpec")
+            previous = found.get(spec.name)
+            if previous is not None and not (spec.overrides or previous[0].overrides):
+                raise PluginConflictError(
+                    f"rendezvous backend {spec.name!r} is provided by two plugins: {previous[1]!r} and {plugin!r}. "
+                    f"Uninstall one, block one with SPMD_BLOCK_PLUGINS={plugin}, or set overrides=True in the spec that should win"
+                )
+            if previous is None or spec.overrides:
+                found[spec.name] = (spec, plugin)
+    return found
+
+
+_table = HookTable(_collect)
+
+
+def canonical(name: str | None) -> str:
+    """The backend name ``--rdzv-backend`` means (torchrun's ``static`` is ``c10d``; none given: ``c10d``)."""
+    name = (name or "c10d").strip().lower()
+    return ALIASES.get(name, name)
+
+
+def open_backend(config: RunConfig) -> RendezvousBackend:
+    """Connect this agent to the rendezvous that ``config.rdzv_backend`` names; an error listing the others if none does."""
+    backends = _table.get()
+    name = canonical(config.rdzv_backend)
+    if name not in backends:
+        raise SpmdError(
+            f"--rdzv-backend {config.rdzv_backend!r}: no plugin provides it; installed: {', '.join(sorted(backends)) or 'none'} "
+            "(`spmd plugins` lists what each plugin provides)"
+        )
+    return backends[name][0].factory(config)

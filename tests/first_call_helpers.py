@@ -90,3 +90,21 @@ def async_new_shapes_then_more(late_s: float) -> dict[str, object]:
         "broadcast": (broadcast.tolist(), [1.0] * 3),
         "later": _outcome(lambda: spmd.all_reduce(t := torch.ones(5), group=group) or t.tolist()),
     }
+
+
+def p2p_mismatch_then_ops() -> str:
+    """Rank 0 sends float32, rank 1 receives int32 (the same bytes); then both call matching all_reduces until
+    one raises (the always-on check runs every 0.2 s; bounded at 20 s): what it raised."""
+    import time
+
+    group = spmd.new_group([0, 1])
+    if spmd.get_rank() == 0:
+        spmd.send(torch.ones(4), dst=1, group=group)
+    else:
+        spmd.recv(torch.zeros(4, dtype=torch.int32), src=0, group=group)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        outcome = _outcome(spmd.all_reduce, torch.ones(2), spmd.ReduceOp.SUM, group)
+        if not outcome.startswith("no error"):
+            return outcome
+    return "no error within 20 s"

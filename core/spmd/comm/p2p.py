@@ -66,6 +66,8 @@ def _start(op: str, what: str, tensor: torch.Tensor, g: ProcessGroup, peer: int,
     entry = recorder.start(g.name, -1, op, (tensor,), None, g.ranks[peer])
     if context is not None:
         entry.context = context
+    if recorder.keep_history:
+        recorder.note_p2p(g.name, op, g.ranks[peer], tag, tensor)
     after = None
     backend = g.backend_for(tensor)
     if tensor.is_contiguous():  # the fast path: nothing staged, nothing to run afterwards

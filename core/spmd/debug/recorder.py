@@ -106,6 +106,12 @@ class Entry(_RareFields):
         return entry
 
 
+#: A send or receive as the always-on check keeps it: (its number among the group's point-to-point calls
+#: on this rank, "send" or "recv", the peer's global rank, tag, its number among this rank's calls of that
+#: op, peer and tag (a send and the receive it meets have the same), dtype, element count).
+P2PCall = tuple[int, str, int, int, int, torch.dtype, int]
+
+
 def shapes_and_dtypes(tensors: Sequence[torch.Tensor]) -> tuple[tuple[torch.Size, ...], tuple[torch.dtype, ...]]:
     """What a record keeps of an op's tensors: their shapes (torch.Size is immutable: no copy) and dtypes
     (hashable: the kernel keys a group's agreed call shapes with them, computed once per op)."""
@@ -140,6 +146,9 @@ class FlightRecorder:
         self.progress: dict[str, list[Any]] = {}
         #: Whether each group's recent Entries are kept for the mismatch check (``SPMD_HISTORY_CHECK``).
         self.keep_history = os.environ.get("SPMD_HISTORY_CHECK", "1") not in ("", "0", "false")
+        #: group -> [point-to-point calls so far, the last HISTORY of them as P2PCall tuples, calls so far per
+        #: (op, peer, tag)]: what the always-on check pairs with the peers' calls (spmd.debug.p2p_check)
+        self.p2p_calls: dict[str, list[Any]] = {}
         # async (entry, work, monotonic deadline, timeout) for the watchdog to poll and age
         self.outstanding: list[tuple[Entry, Any, float | None, float | None]] = []
         self.lock = threading.Lock()
@@ -199,6 +208,23 @@ class FlightRecorder:
         if self.keep_history:
             progress[5].append(record)
         return record
+
+    def note_p2p(self, group: str, op: str, peer: int, tag: int, tensor: torch.Tensor) -> None:
+        """Keep a send or receive (``op``) for the always-on check of what its peer's matching call carried."""
+        row = self.p2p_calls.get(group)
+        if row is None:
+            row = self.p2p_calls[group] = [0, collections.deque(maxlen=HISTORY), {}]
+        row[0] = number = row[0] + 1
+        channels, channel = row[2], (op, peer, tag)
+        channels[channel] = k = channels.get(channel, 0) + 1  # (counted here: a call the deque dropped keeps its number)
+        row[1].append((number, op, peer, tag, k, tensor.dtype, tensor.numel()))
+
+    def p2p_history(self, group: str, after: int = 0) -> list[P2PCall]:
+        """The group's most recent point-to-point calls (at most HISTORY) numbered above ``after``, oldest first."""
+        row = self.p2p_calls.get(group)
+        if row is None:
+            return []
+        return [call for call in list(row[1]) if call[0] > after]  # (one C-level copy: safe beside the appending thread)
 
     def history(self, group: str, after: int = -1) -> list[Entry]:
         """The group's most recent Entries (at most HISTORY) whose sequence number is above ``after``, oldest first."""

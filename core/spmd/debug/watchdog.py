@@ -26,6 +26,7 @@ import torch.distributed as tdist
 from spmd.debug.desync import comparable_signature
 from spmd.debug.dump import dump, trace_dir
 from spmd.debug.history import CLOCK, HistoryCheck
+from spmd.debug.p2p_check import P2PCheck
 from spmd.debug.recorder import Entry, recorder
 from spmd.errors import first_line
 
@@ -89,6 +90,7 @@ class Watchdog:
             self.seen_requests = int(self.client.add(DUMP_COUNTER, 0))
             self.world_from, self.seen_unusable = baseline if baseline is not None else world_baseline(self.client)
         self.history = HistoryCheck(self.client, self.lock, self.rank, self.world_from)
+        self.p2p = P2PCheck(self.client, self.lock, self.rank, self.world_from)
         self.thread.start()
 
     def stop(self, wait_s: float = 5.0) -> None:
@@ -117,10 +119,11 @@ class Watchdog:
     def _compare_rest(self, groups: list[Any], deadline: float) -> str | None:
         while groups:
             self.history.step(groups)
+            self.p2p.step(groups)
             for group in groups:
                 if group.unusable is not None:
                     return group.unusable
-            if not any(self.history.unchecked(g) for g in groups) or time.monotonic() >= deadline:
+            if not any(self.history.unchecked(g) or self.p2p.unchecked(g) for g in groups) or time.monotonic() >= deadline:
                 return None
             time.sleep(FINAL_CHECK_POLL_S)
         return None
@@ -162,7 +165,9 @@ class Watchdog:
                     continue  # every store call would fail (and torch would print a C++ warning for each)
                 self.adopt_unusable()
                 if recorder.keep_history:
-                    self.history.step(self._groups())
+                    groups = self._groups()
+                    self.history.step(groups)
+                    self.p2p.step(groups)
                 if time.monotonic() >= next_publish or self._dump_requested():
                     self.tick()
                     next_publish = time.monotonic() + self.interval

@@ -181,6 +181,8 @@ class Rendezvous:
                 break
             reason = self.shutdown_requested()
             if reason:
+                if self.flag(round_, "closed"):  # closed with this node in it before the job ended (a slow
+                    break                        # poller): a member, which then sees the failure as one
                 raise SpmdError(f"rendezvous aborted: {reason}")
             if now > deadline:
                 raise SpmdError(

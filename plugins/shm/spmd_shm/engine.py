@@ -7,9 +7,10 @@ rank acked the round that last used it. Point-to-point messages travel in packet
 per ordered pair of ranks; the receiver drains them into the matching posted recv, or keeps them
 aside until that recv is posted, so a sender never waits for its receiver to call recv.
 
-Each counter is written by one rank only. A waiting thread polls for ``SPIN_SECONDS``, then sleeps
-on its own doorbell word (a futex) that every writer changes and wakes: two ranks on two cores
-never steal each other's core. Every wait has a deadline and watches the peers it waits for
+Each counter is written by one rank only. A waiting caller polls for ``Engine.spin`` seconds, then
+sleeps on its own doorbell word (a futex), which a writer changes and wakes only while the sleep
+word says someone sleeps there (``spmd_shm.doorbell``): two ranks on two cores never steal each
+other's core, and ranks in step make no syscall. Every wait has a deadline and watches the peers it waits for
 (aborted, closed or exited), so a dead peer is a named error, not a hang.
 """
 

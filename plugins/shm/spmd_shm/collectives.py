@@ -27,20 +27,19 @@ def _sign(eng: Engine, r: int, op: str, total: int) -> None:
 
 
 def _write(eng: Engine, r: int, parts: list[torch.Tensor]) -> None:
-    """Copy ``parts`` back to back into this rank's slot for round ``r`` and record the byte count."""
-    slot, offset = eng.slot[eng.me][r & 1], 0
+    """Copy ``parts`` (of one dtype) back to back into this rank's slot for round ``r``; record the byte count."""
+    offset = 0
     for part in parts:
-        nbytes = part.numel() * part.element_size()
-        if nbytes:
-            slot[offset : offset + nbytes].view(part.dtype).copy_(part)
-        offset += nbytes
-    eng.slot_size[eng.me][r & 1].value = offset
+        count = part.numel()
+        if count:
+            eng.view(eng.me, r, part.dtype, offset, count).copy_(part)
+        offset += count
+    eng.slot_size[eng.me][r & 1].value = offset * parts[0].element_size() if parts else 0
 
 
 def _read(eng: Engine, q: int, r: int, dtype: torch.dtype, start: int, count: int) -> torch.Tensor:
     """Elements ``start:start+count`` (of ``dtype``) of rank ``q``'s slot for round ``r``."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return eng.slot[q][r & 1][start * size : (start + count) * size].view(dtype)
+    return eng.view(q, r, dtype, start, count)
 
 
 def _check_sizes(eng: Engine, r: int, ranks: list[int], nbytes: int, op: str, total: int) -> None:
@@ -72,7 +71,7 @@ def all_reduce(eng: Engine, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> 
     total = flat.numel() * flat.element_size()
     everyone, per = list(range(eng.n)), _chunk(eng, flat.element_size())
     for start in range(0, flat.numel(), per):
-        piece = flat[start : start + per]
+        piece = flat if per >= flat.numel() else flat[start : start + per]
         r = yield from eng.begin_round(work, "all_reduce")
         _write(eng, r, [piece])
         _sign(eng, r, "all_reduce", total)

@@ -7,16 +7,16 @@ rank acked the round that last used it. Point-to-point messages travel in packet
 per ordered pair of ranks; the receiver drains them into the matching posted recv, or keeps them
 aside until that recv is posted, so a sender never waits for its receiver to call recv.
 
-Each counter is written by one rank only. A waiting thread polls for ``SPIN_SECONDS``, then sleeps
-on its own doorbell word (a futex) that every writer changes and wakes: two ranks on two cores
-never steal each other's core. Every wait has a deadline and watches the peers it waits for
+Each counter is written by one rank only. A waiting caller polls for ``Engine.spin`` seconds, then
+sleeps on its own doorbell word (a futex), which a writer changes and wakes only while the sleep
+word says someone sleeps there (``spmd_shm.doorbell``): two ranks on two cores never steal each
+other's core, and ranks in step make no syscall. Every wait has a deadline and watches the peers it waits for
 (aborted, closed or exited), so a dead peer is a named error, not a hang.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import struct
 import threading
@@ -29,12 +29,12 @@ import torch
 from spmd.comm.backend import BackendContext
 from spmd.errors import CollectiveError
 from spmd_shm import futex
+from spmd_shm.doorbell import LEAVING, Doorbells, fence
 from spmd_shm.segment import (
     ACK,
     ARRIVE,
     BROKEN,
     CLOSED,
-    DOORBELL,
     PACKET_HEADER,
     PID,
     STATE,
@@ -42,8 +42,13 @@ from spmd_shm.segment import (
 )
 from spmd_shm.work import ShmWork
 
-#: Seconds a waiting progress thread keeps polling before it sleeps on its doorbell.
-SPIN_SECONDS = float(os.environ.get("SPMD_SHM_SPIN_US", "20")) * 1e-6
+#: Seconds a waiting caller keeps polling (after its last progress) before it sleeps on its doorbell,
+#: while the group's ranks fit the CPUs this process may use: long enough to cover a peer's own
+#: per-op Python (20 us spins slept at most ops of a back-to-back loop: 4 B all_reduce 120 vs 20 us
+#: median on the 2-core host). With more ranks than CPUs a spinner would hold the core its peer
+#: needs, so it sleeps almost at once.
+SPIN_SECONDS = float(os.environ.get("SPMD_SHM_SPIN_US", "100")) * 1e-6
+OVERSUBSCRIBED_SPIN_SECONDS = 2e-6
 #: Longest single sleep: deadlines, aborts and dead peers are noticed at least this often.
 SLEEP_CAP = 0.05
 #: While the program waited for an op this recently (seconds), the background thread polls every
@@ -55,6 +60,14 @@ LIVENESS_PERIOD = 0.05
 
 _HEADER = struct.Struct("<qqqq")  # tag, total bytes, offset, length
 Steps = Generator[None, None, Any]
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _alive(pid: int) -> bool:
@@ -129,14 +142,13 @@ class Engine:
         self.n, self.me = n, me
         self.others = [r for r in range(n) if r != me]
         self.timeout = ctx.timeout.total_seconds()
+        self.spin = SPIN_SECONDS if n <= _usable_cpus() else min(SPIN_SECONDS, OVERSUBSCRIBED_SPIN_SECONDS)
         i64 = segment.i64
         self.arrive = [i64(lay.ctrl_at(r, ARRIVE)) for r in range(n)]
         self.ack = [i64(lay.ctrl_at(r, ACK)) for r in range(n)]
         self.pid = [i64(lay.ctrl_at(r, PID)) for r in range(n)]
         self.state = [i64(lay.ctrl_at(r, STATE)) for r in range(n)]
-        bells = [segment.i32(lay.ctrl_at(r, DOORBELL)) for r in range(n)]
-        self.bell = bells
-        self._bell_addr = [futex_addr(b) for b in bells]
+        self.bells = Doorbells(segment, n, me)
         data = segment.bytes
         self.slot_size = [[i64(lay.slot_at(r, p)) for p in (0, 1)] for r in range(n)]
         self.slot_sig = [[i64(lay.slot_at(r, p) + 8) for p in (0, 1)] for r in range(n)]
@@ -165,16 +177,13 @@ class Engine:
         self._abandoned = False
         self._lock = threading.Lock()  # held by whichever thread progresses (the engine's or a waiting caller's)
         self._drivers = 0  # callers inside drive()
+        self.sleeping_callers = 0  # callers of drive() asleep on the doorbell (a finish must wake them)
         self._drivers_lock = threading.Lock()
-        self._no_driver = threading.Event()
-        self._no_driver.set()
         self._last_drive = 0.0
-        self._wake = threading.Event()  # set by kick(): the background thread's tick ends early
-        self._ring_id = (me % 250) << 24
-        self._ring_count = 0
-        self._kick_lock = threading.Lock()
-        self._kick_count = 0
+        self._wake = threading.Event()  # set by kick(): the background thread's park or tick ends early
         self._next_liveness = 0.0
+        self._seen = 0  # self.moves at the background thread's last pass
+        self._views: dict[tuple[int, int, torch.dtype, int, int], torch.Tensor] = {}
         self._thread = threading.Thread(target=self._loop, name=f"spmd-shm-{ctx.group_name}", daemon=True)
         self._thread.start()
 
@@ -201,11 +210,8 @@ class Engine:
         return self._drivers
 
     def kick(self) -> None:
-        """Wake this rank's progress thread (from a caller's thread)."""
-        with self._kick_lock:
-            self._kick_count = (self._kick_count + 1) & 0xFFFFFF
-            self.bell[self.me].value = (255 << 24) | self._kick_count
-        futex.wake(self._bell_addr[self.me])
+        """Wake this rank's background thread and sleeping callers (from any thread of this process)."""
+        self.bells.kick()
         self._wake.set()
 
     def _refusal(self, cause: BaseException) -> CollectiveError:
@@ -216,11 +222,8 @@ class Engine:
 
     # -- signalling (progress thread) ---------------------------------------------------------
     def ring(self, ranks: Iterable[int]) -> None:
-        """Change and wake the doorbells of ``ranks`` (after publishing something they may wait for)."""
-        for q in ranks:
-            self._ring_count = (self._ring_count + 1) & 0xFFFFFF
-            self.bell[q].value = self._ring_id | self._ring_count
-            futex.wake(self._bell_addr[q])
+        """Wake those of ``ranks`` that sleep, after publishing something they may wait for."""
+        self.bells.ring(ranks)
 
     def global_names(self, ranks: list[int]) -> str:
         if self.ctx.global_ranks and list(self.ctx.global_ranks) != list(range(self.n)):
@@ -256,13 +259,19 @@ class Engine:
             self.check(work, missing_fn, what)
             yield
 
+    def wait_counters(self, work: ShmWork, words: list[Any], ranks: list[int], at_least: int, what: str) -> Steps:
+        """Yield until ``words[q] >= at_least`` for every q in ``ranks`` (the common case: no yield at all)."""
+        for q in ranks:
+            if words[q].value < at_least:
+                yield from self.wait_for(work, lambda: [q for q in ranks if words[q].value < at_least], what)
+                return
+
     # -- rounds (collectives' building blocks, progress thread) ---------------------------------
     def begin_round(self, work: ShmWork, what: str) -> Steps:
         """Start the next round; returns it once this rank's slot for it is free to write."""
         r = self.round = self.round + 1
         if r > 2:
-            need, ack, others = r - 2, self.ack, self.others
-            yield from self.wait_for(work, lambda: [q for q in others if ack[q].value < need], what)
+            yield from self.wait_counters(work, self.ack, self.others, r - 2, what)
         return r
 
     def publish(self, r: int) -> None:
@@ -271,8 +280,19 @@ class Engine:
         self.ring(self.others)
 
     def await_arrival(self, work: ShmWork, r: int, ranks: list[int], what: str) -> Steps:
-        arrive = self.arrive
-        yield from self.wait_for(work, lambda: [q for q in ranks if arrive[q].value < r], what)
+        yield from self.wait_counters(work, self.arrive, ranks, r, what)
+
+    def view(self, q: int, r: int, dtype: torch.dtype, start: int, count: int) -> torch.Tensor:
+        """Elements ``start:start+count`` (of ``dtype``) of rank ``q``'s slot for round ``r`` (views cached:
+        slicing a tensor costs about a microsecond, a small collective only a few)."""
+        key = (q, r & 1, dtype, start, count)
+        found = self._views.get(key)
+        if found is None:
+            if len(self._views) >= 4096:
+                self._views.clear()
+            size = dtype.itemsize
+            found = self._views[key] = self.slot[q][r & 1][start * size : (start + count) * size].view(dtype)
+        return found
 
     def finish_round(self, r: int) -> None:
         self.ack[self.me].value = r
@@ -435,67 +455,100 @@ class Engine:
 
     def drive(self, work: ShmWork, timeout: float | None) -> bool:
         """A caller waits for ``work`` by progressing itself (no hand-off to the progress thread):
-        poll for ``SPIN_SECONDS`` after each move, then sleep on the doorbell. True once done."""
-        my_bell, addr = self.bell[self.me], self._bell_addr[self.me]
+        poll for ``self.spin`` seconds after each move, then sleep on the doorbell. True once done."""
+        bells = self.bells
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._drivers_lock:
             self._drivers += 1
-            self._no_driver.clear()
         try:
-            spin_until = time.monotonic() + SPIN_SECONDS
+            spin = self.spin
+            spin_until = time.monotonic() + spin
             while not work.done:
-                bell = my_bell.value
+                bell = bells.snapshot()
                 moved = self.try_progress()
                 if work.done:
                     break
                 now = time.monotonic()
                 if moved:
-                    spin_until = now + SPIN_SECONDS
+                    spin_until = now + spin
                     continue
                 if deadline is not None and now >= deadline:
                     return False
                 if now < spin_until:
                     continue
-                cap = SLEEP_CAP if deadline is None else max(0.0, min(SLEEP_CAP, deadline - now))
-                futex.wait(addr, bell, cap)
+                self._sleep_caller(work, bell, SLEEP_CAP if deadline is None else max(0.0, min(SLEEP_CAP, deadline - now)))
             return True
         finally:
             self._last_drive = time.monotonic()
             with self._drivers_lock:
                 self._drivers -= 1
-                if not self._drivers:
-                    self._no_driver.set()
+                last = not self._drivers
+            if last and (self._inbox or self._busy()):  # ops nobody waits for now: the thread takes over
+                self._wake.set()
+
+    def _sleep_caller(self, work: ShmWork, bell: int, cap: float) -> None:
+        """Sleep on the doorbell (until a ring, a finish or ``cap`` s), announced in the sleep word."""
+        bells = self.bells
+        with self._drivers_lock:
+            self.sleeping_callers += 1
+            bells.callers_asleep.value = 1
+        try:
+            fence()  # the sleep word is visible before the last look for news (see spmd_shm.doorbell)
+            if not self.try_progress() and not work.done:
+                futex.wait(bells.my_address, bell, cap)
+        finally:
+            with self._drivers_lock:
+                self.sleeping_callers -= 1
+                if not self.sleeping_callers:
+                    bells.callers_asleep.value = 0
 
     def _loop(self) -> None:
         """The background progress: ops nobody waits for, incoming messages, deadlines.
 
-        While the program drives ops itself (a wait within ``RECENT_DRIVE`` seconds) this thread
-        ticks every ``TICK`` seconds instead of sleeping on the doorbell: woken by every ring, it
-        would compete with the waiting caller for the GIL and a core on each message.
+        While a caller drives, this thread stays parked. While the program drove an op within
+        ``RECENT_DRIVE`` seconds it ticks every ``TICK`` seconds rather than sleeping on the
+        doorbell: announced there, it would be woken by every ring and compete with the next
+        waiting caller for the GIL and a core on each message.
         """
-        my_bell, addr = self.bell[self.me], self._bell_addr[self.me]
+        bells, wake = self.bells, self._wake
         while True:
+            wake.clear()
             if self._drivers and not self._stopping:  # a caller is progressing: stay out of its way
-                self._no_driver.wait(SLEEP_CAP)
+                wake.wait(SLEEP_CAP)
                 continue
-            bell = my_bell.value
+            bell = bells.snapshot()
             with self._lock:
-                moves = self.moves
-                self._body()
-                if self._stopping and not self._inbox:
-                    self.state[self.me].value = CLOSED
-                    if self._busy():
-                        self.fail_all(CollectiveError(f"shm backend of group {self.ctx.group_name!r} was closed with this op pending"))
+                if self._pass():
                     return
-                moved = self.moves != moves or bool(self._inbox)
+                moved = self.moves != self._seen or bool(self._inbox)
                 busy = self._busy()
             if moved:
                 continue
             if time.monotonic() - self._last_drive < RECENT_DRIVE:
-                self._wake.wait(TICK)
-                self._wake.clear()
-            else:
-                futex.wait(addr, bell, SLEEP_CAP if busy else 1.0)
+                wake.wait(TICK)
+                continue
+            bells.thread_asleep.value = 1
+            try:
+                fence()  # announced before the last look for news (see spmd_shm.doorbell)
+                with self._lock:
+                    if self._pass():
+                        return
+                    moved = self.moves != self._seen or bool(self._inbox)
+                if not moved:
+                    futex.wait(bells.my_address, bell, SLEEP_CAP if busy else 1.0)
+            finally:
+                bells.thread_asleep.value = 0
+
+    def _pass(self) -> bool:
+        """One pass of the background thread (holding the lock); True when it must exit (closing)."""
+        self._seen = self.moves
+        self._body()
+        if self._stopping and not self._inbox:
+            self.state[self.me].value = CLOSED
+            if self._busy():
+                self.fail_all(CollectiveError(f"shm backend of group {self.ctx.group_name!r} was closed with this op pending"))
+            return True
+        return False
 
     def fail_all(self, error: BaseException) -> None:
         """This rank gives up on the group: tell the peers (state BROKEN), fail every pending op."""
@@ -503,7 +556,7 @@ class Engine:
             self.broken = error
             if self.state[self.me].value != CLOSED:
                 self.state[self.me].value = BROKEN
-            self.ring(self.others)
+            self.bells.ring_all(self.others, LEAVING)
         refusal = self._refusal(error)
         while self._inbox:
             kind, (work, payload) = self._inbox.popleft()
@@ -523,11 +576,7 @@ class Engine:
             self.state[self.me].value = BROKEN
         self._abandoned = True
         self.kick()
-        with self._kick_lock:  # rung from a caller's thread: its own writer id, not the progress thread's
-            for q in self.others:
-                self._kick_count = (self._kick_count + 1) & 0xFFFFFF
-                self.bell[q].value = (254 << 24) | self._kick_count
-                futex.wake(self._bell_addr[q])
+        self.bells.ring_all(self.others, LEAVING)
 
     def close(self) -> None:
         """Stop the thread (pending ops fail), then mark this rank closed for its peers."""
@@ -536,13 +585,4 @@ class Engine:
         if threading.current_thread() is not self._thread:
             self._thread.join(2.0)
         self.state[self.me].value = CLOSED
-        with self._kick_lock:
-            for q in self.others:
-                self._kick_count = (self._kick_count + 1) & 0xFFFFFF
-                self.bell[q].value = (254 << 24) | self._kick_count
-                futex.wake(self._bell_addr[q])
-
-
-def futex_addr(word: Any) -> int:
-    """The address of a ctypes word in the mapping (what the futex syscall takes)."""
-    return ctypes.addressof(word)
+        self.bells.ring_all(self.others, LEAVING)

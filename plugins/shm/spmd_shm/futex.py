@@ -31,7 +31,18 @@ def _load_syscall():  # type: ignore[no-untyped-def]
     return fn
 
 
+def _load_syscall_holding_gil():  # type: ignore[no-untyped-def]
+    """The same syscall, called without releasing the GIL: for wakes, which never block (releasing
+    and retaking the GIL around them let another thread in on every wake)."""
+    if _syscall is None:
+        return None
+    fn = ctypes.PyDLL(None).syscall
+    fn.restype = ctypes.c_long
+    return fn
+
+
 _syscall = _load_syscall()
+_syscall_gil = _load_syscall_holding_gil()
 #: Whether waits really sleep on the word (False: polling with short sleeps).
 AVAILABLE = _syscall is not None
 
@@ -47,5 +58,10 @@ def wait(address: int, expected: int, timeout: float) -> None:
 
 def wake(address: int) -> None:
     """Wake every process sleeping on the int32 at ``address``."""
-    if _syscall is not None:
-        _syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(1 << 30), None, None, 0)
+    if _syscall_gil is not None:
+        _syscall_gil(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(1 << 30), None, None, 0)
+
+
+def address(word: ctypes.c_int32) -> int:
+    """The address of a ctypes word in the mapping (what the futex syscall takes)."""
+    return ctypes.addressof(word)

@@ -17,10 +17,11 @@ class ShmWork:
     """Finished by whichever thread progresses the engine (a waiting caller, or the engine's own);
     ``abort`` asks it to give up on the op."""
 
-    __slots__ = ("_event", "_error", "aborted", "_fns", "_engine", "deadline")
+    __slots__ = ("done", "_error", "aborted", "_fns", "_engine", "deadline")
 
     def __init__(self, engine: Engine, deadline: float) -> None:
-        self._event = threading.Event()
+        #: Set once, by ``finish`` (a plain flag: its waiters progress the engine or sleep on the doorbell).
+        self.done = False
         self._error: BaseException | None = None
         self.aborted = False
         self._fns: list[Callable[[], object]] | None = None
@@ -30,18 +31,18 @@ class ShmWork:
 
     # -- spmd.comm.work.NativeWork ------------------------------------------------------
     def poll(self) -> bool:
-        if not self._event.is_set():
+        if not self.done:
             self._engine.try_progress()  # never blocks: skipped when another thread is progressing
-        return self._event.is_set()
+        return self.done
 
     def wait(self, timeout: float | None) -> bool:
-        if self._event.is_set():
+        if self.done:
             return True
         return self._engine.drive(self, timeout)
 
     def abort(self) -> None:
         """The kernel gave up: the progress thread fails the op at its next step (within milliseconds)."""
-        if not self._event.is_set():
+        if not self.done:
             self.aborted = True
             self._engine.kick()
 
@@ -50,7 +51,7 @@ class ShmWork:
 
     def add_done_callback(self, fn: Callable[[], object]) -> None:
         with _LOCK:
-            if not self._event.is_set():
+            if not self.done:
                 if self._fns is None:
                     self._fns = []
                 self._fns.append(fn)
@@ -61,16 +62,12 @@ class ShmWork:
     def finish(self, error: BaseException | None = None) -> None:
         """Complete the op (once; later calls are ignored) and run the kernel's callbacks."""
         with _LOCK:
-            if self._event.is_set():
+            if self.done:
                 return
             self._error = error
-            self._event.set()
+            self.done = True
             fns, self._fns = self._fns, None
-        if self._engine.drivers:  # a caller may be asleep on the doorbell waiting for this op
-            self._engine.kick()
+        if self._engine.sleeping_callers:  # a caller may be asleep on the doorbell waiting for this op
+            self._engine.bells.kick()
         for fn in fns or ():
             fn()
-
-    @property
-    def done(self) -> bool:
-        return self._event.is_set()

@@ -1,0 +1,73 @@
+"""Doorbells: a publisher wakes a peer that sleeps, and only one that sleeps (spmd_shm.doorbell)."""
+
+from __future__ import annotations
+
+import mmap
+import statistics
+import threading
+import time
+
+import torch
+
+import spmd
+from spmd_shm import futex
+from spmd_shm.doorbell import Doorbells
+from spmd_shm.segment import Layout, Segment
+
+
+def _segment(n: int) -> Segment:
+    layout = Layout(n, 4096, 4096, 2)
+    return Segment(mmap.mmap(-1, layout.total), layout)
+
+
+def test_ring_wakes_a_sleeper_at_once_and_leaves_an_awake_rank_alone() -> None:
+    seg = _segment(2)
+    rank0, rank1 = Doorbells(seg, 2, 0), Doorbells(seg, 2, 1)
+    before = rank1.snapshot()
+    rank0.ring([1])  # rank 1 does not sleep: its doorbell is not touched (no syscall)
+    assert rank1.snapshot() == before
+
+    woke = threading.Event()
+
+    def sleeper() -> None:
+        rank1.callers_asleep.value = 1
+        bell = rank1.snapshot()
+        futex.wait(rank1.my_address, bell, 10.0)  # only a ring ends this before 10 s
+        rank1.callers_asleep.value = 0
+        woke.set()
+
+    thread = threading.Thread(target=sleeper, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    time.sleep(0.05)  # the sleeper is in the futex by now (a ring before it would end the wait at once anyway)
+    rank0.ring([1])
+    assert woke.wait(5.0), "the ring did not wake the sleeping rank"
+    assert time.monotonic() - start < 2.0
+    assert rank1.snapshot() != before
+
+
+def late_peer_lateness(rounds: int, delay: float) -> tuple[float, bool]:
+    """Rank 1 calls all_reduce ``delay`` s after rank 0 (which spins, then sleeps on its doorbell); rank 0's
+    median seconds from rank 1's call to its own return, and whether every sum was right."""
+    me, right, late = spmd.get_rank(), True, []
+    for i in range(rounds):
+        spmd.barrier()
+        stamp = torch.zeros(1, dtype=torch.float64)
+        if me == 1:
+            time.sleep(delay)
+            stamp[0] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
+        value = torch.tensor([float(i + me)], dtype=torch.float64)
+        both = torch.cat([value, stamp])
+        spmd.all_reduce(both)
+        done = time.monotonic()
+        right &= both[0].item() == 2 * i + 1
+        late.append(done - both[1].item())
+    return statistics.median(late), right
+
+
+def test_a_rank_asleep_on_its_doorbell_is_woken_by_the_late_peer(spmd_world) -> None:
+    """Rank 0 sleeps (past its spin) on the doorbell; rank 1's publish must wake it, not the 50 ms cap
+    on each sleep (which would make rank 0 return about 20 ms after rank 1's call)."""
+    lateness, right = spmd_world(2, "shm").run(late_peer_lateness, 9, 0.03)[0]
+    assert right
+    assert lateness < 0.008, f"rank 0 returned {lateness * 1e3:.1f} ms after its late peer's call"

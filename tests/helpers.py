@@ -387,7 +387,7 @@ def aliased_buffers() -> dict[str, bool]:
 
 def all_to_all_splits_disagree() -> str:
     """Desync mode on: rank 0 expects 1 row from rank 1, which sends 2."""
-    from spmd.debug import desync
+    from spmd.comm.health import desync
 
     rank = spmd.get_rank()
     in_splits, out_splits = ([1, 1], [1, 1]) if rank == 0 else ([2, 0], [1, 1])
@@ -467,7 +467,7 @@ def silently_mismatched(kind: str, limit: float = 12.0) -> dict[str, object]:
 
 def stale_and_fresh_announcements() -> dict[str, object]:
     """An announcement left in the store by an earlier world is ignored; a fresh one is adopted."""
-    from spmd.debug import watchdog
+    from spmd.comm.health import watchdog
 
     dog = watchdog.current()
     assert dog is not None
@@ -560,7 +560,7 @@ def cross_rank_checks_per_all_to_all(split_sizes: bool) -> int:
     With even splits (none given) a shape is compared once, then known;
     explicit split sizes are compared at every call.
     """
-    from spmd.debug import desync
+    from spmd.comm.health import desync
 
     group = spmd.new_group([0, 1])
     rows = [2, 2] if split_sizes else None

@@ -245,7 +245,7 @@ def test_stopping_the_watchdog_waits_for_the_store_call_in_flight():
 
     import torch.distributed as tdist
 
-    from spmd.debug.watchdog import Watchdog
+    from spmd.comm.health.watchdog import Watchdog
 
     in_call = threading.Event()
 

@@ -8,7 +8,7 @@ import threading
 
 import torch.distributed as tdist
 
-from spmd.debug.history import CLOCK, HISTORY_KEY, HistoryCheck
+from spmd.comm.health.history import CLOCK, HISTORY_KEY, HistoryCheck
 
 
 def test_histories_are_told_apart_by_the_stores_clock_not_by_wall_time():
@@ -38,15 +38,14 @@ class _Group:
         pass
 
 
-def test_a_ranks_own_announcement_does_not_hide_one_another_rank_made_just_before(monkeypatch):
+def test_a_ranks_own_announcement_does_not_hide_one_another_rank_made_just_before():
     """Rank 1 gives up group g2, then rank 0 gives up g1: rank 0 still adopts g2 (its own announcement
     counted as seen covered rank 1's too, so g2 stayed usable on rank 0)."""
-    from spmd.debug import watchdog
+    from spmd.comm.health import watchdog
 
     store = tdist.HashStore()
     g1, g2 = _Group("g1"), _Group("g2")
-    monkeypatch.setattr(watchdog.Watchdog, "_groups", staticmethod(lambda: [g1, g2]))
-    rank0, rank1 = watchdog.Watchdog(store, 0), watchdog.Watchdog(store, 1)
+    rank0, rank1 = (watchdog.Watchdog(store, rank, groups=lambda: [g1, g2]) for rank in (0, 1))
     for dog in (rank0, rank1):
         dog.world_from, dog.seen_unusable = watchdog.world_baseline(store)
     rank1.announce_unusable("g2", "its op failed")
@@ -58,7 +57,7 @@ def test_a_ranks_own_announcement_does_not_hide_one_another_rank_made_just_befor
 
 def test_the_first_announcement_of_a_group_stays():
     """Rank 1 gives up g first, then rank 0 (its op broke by it): the store keeps rank 1's reason, the cause."""
-    from spmd.debug import watchdog
+    from spmd.comm.health import watchdog
 
     store = tdist.HashStore()
     rank0, rank1 = watchdog.Watchdog(store, 0), watchdog.Watchdog(store, 1)

@@ -51,3 +51,15 @@ def first_line(error: BaseException) -> str:
     """An error's first line (C++ errors from torch carry a stack dump after it), or its type's name."""
     text = str(error)
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def timeout_error(description: str, limit: float | None, detail: str = "") -> CollectiveTimeoutError:
+    """The error for an operation that outlived its timeout (kernel- or backend-detected)."""
+    within = f"within {limit:.1f} s" if limit is not None else "in time"
+    suffix = f" ({detail})" if detail else ""
+    return CollectiveTimeoutError(
+        f"{description} did not complete {within}{suffix}. A peer rank may have skipped this "
+        "call, died, or be stuck elsewhere; check that every rank of the group reaches the "
+        "same collectives in the same order, or raise the timeout (timeout= on the op, "
+        "new_group(timeout=...), spmd.init(timeout=...))"
+    )

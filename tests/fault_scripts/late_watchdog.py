@@ -10,7 +10,7 @@ import sys
 import time
 
 import spmd
-from spmd.debug import watchdog
+from spmd.comm.health import watchdog
 
 real_start = watchdog.start
 

@@ -16,7 +16,7 @@ def explain_failure(group: ProcessGroup, entry: Entry, error: BaseException) -> 
 
     Called only on the error path (by ``Work.wait``), so the hot path builds no closures for it.
     """
-    from spmd.debug.watchdog import adopt_announcements, diagnose
+    from spmd.comm.health.watchdog import adopt_announcements, diagnose
 
     if group.unusable is None:
         adopt_announcements()  # a peer that gave the group up may be why this op broke

@@ -63,7 +63,8 @@ class ProcessGroup:
         self.backend_map = dict(backend_map) if backend_map is not None else None
         self.options = dict(options or {})
         self.parent = parent
-        self._root_store = store
+        #: The job's store (the world's): the health checks keep their keys there, under their own prefixes.
+        self.root_store = store
         self.store = tdist.PrefixStore(f"spmd/{self.uid}/", store)
         self._backends: dict[str, Backend] = {}
         #: The backends created so far, keyed by torch.device (filled by ``backend_for``; the
@@ -127,7 +128,7 @@ class ProcessGroup:
         refuse their next op on the group as well. Each backend is then told to
         ``abandon`` the group, ending what peers wait on in it where it can.
         """
-        from spmd.debug import watchdog
+        from spmd.comm.health import watchdog
 
         if announce and self.unusable is None:
             # A peer that gave the group up first (and broke this rank's op by leaving) is the cause: its reason stands.

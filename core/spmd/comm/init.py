@@ -18,10 +18,11 @@ import torch.distributed as tdist
 
 from spmd.comm import state, teardown
 from spmd.comm.group import ProcessGroup, forget_group_names
+from spmd.comm.health.watchdog import world_baseline
 from spmd.comm.registry import backends, parse_backend_string
 from spmd.comm.store_join import await_arrivals, check_resolvable, client_store, host_store
 from spmd.comm.tcp_store import job_scope
-from spmd.debug.watchdog import world_baseline
+from spmd.debug.recorder import recorder
 from spmd.errors import BackendUnavailableError, CollectiveDesyncError, SpmdError
 
 log = logging.getLogger("spmd")
@@ -220,12 +221,14 @@ def init_process_group(
 def _start_debugging(store: tdist.Store, rank: int, trace_dir: str | os.PathLike | None, store_host: str | None,
                      baseline: tuple[int, int]) -> None:
     """The watchdog thread (``baseline``: see ``watchdog.world_baseline``), the trace directory, and SIGUSR1 as an on-demand dump."""
-    from spmd.debug import desync, dump, watchdog
+    from spmd.comm.health import desync, watchdog
+    from spmd.debug import dump
 
     desync.refresh()
     if trace_dir is not None:
         os.environ["SPMD_TRACE_DIR"] = str(trace_dir)
-    watchdog.start(store, rank, store_host, baseline)
+    recorder.world_view = state.world_view  # (what a dump says of the world: debug/ sits below comm and reads no state)
+    watchdog.start(store, rank, state.member_groups, store_host, baseline)
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
         if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
             signal.signal(signal.SIGUSR1, lambda signum, frame: dump("SIGUSR1"))
@@ -264,7 +267,7 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
     current = state.get_state()
     if group is None or group is current.world:
         from spmd import interop
-        from spmd.debug import watchdog
+        from spmd.comm.health import watchdog
 
         unfinished = teardown.run_before_destroy(current.world.timeout_s)
         dog = watchdog.current()

@@ -16,11 +16,11 @@ import torch
 from spmd.comm import deferral
 from spmd.comm.backend import Backend
 from spmd.comm.group import ProcessGroup
+from spmd.comm.health import desync
+from spmd.comm.health.watchdog import adopt_announcements
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import NativeWork, NativeWorkAdapter, Timeout, Work, seconds
-from spmd.debug import desync
 from spmd.debug.recorder import Entry, recorder, shapes_and_dtypes
-from spmd.debug.watchdog import adopt_announcements
 from spmd.errors import CollectiveDesyncError, CollectiveError, CollectiveTimeoutError
 
 #: Whether a call shape new to its group is compared across its ranks (before the op on Gloo, before its

@@ -47,6 +47,24 @@ def is_initialized() -> bool:
     return _state is not None
 
 
+def member_groups() -> list[ProcessGroup]:
+    """The current world's groups this rank belongs to, the world first (none before init or after destroy):
+    what the watchdog watches (``spmd.comm.health.watchdog`` is handed this function)."""
+    current = _state
+    if current is None:
+        return []
+    groups = {id(g): g for g in [current.world, *current.groups.values()]}  # (the world is in both)
+    return list(groups.values())
+
+
+def world_view() -> tuple[int, int, dict[str, list[int]]] | None:
+    """(this rank, the world size, every group's ranks by name) for a flight-recorder dump, or None before init."""
+    current = _state
+    if current is None:
+        return None
+    return current.world.rank, current.world.size, {name: list(g.ranks) for name, g in current.groups.items()}
+
+
 def resolve_group(group: ProcessGroup | None) -> ProcessGroup:
     """``group`` itself, or the world group when None; a non-member's group is an error."""
     state = _state if _state is not None else get_state()  # get_state() raises the not-initialised error

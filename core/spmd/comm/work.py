@@ -6,7 +6,7 @@ Timeouts nest in one order; the first one given wins:
    CollectiveTimeoutError when it runs out, and the op keeps its own deadline.
 2. The op's ``timeout=`` (every collective, ``isend``/``irecv``/``send``/``recv``,
    ``barrier``): the op's deadline. A synchronous call raises at it; an async
-   Work is failed at it by the watchdog (``spmd.debug.watchdog.expire_overdue``)
+   Work is failed at it by the watchdog (``spmd.comm.health.watchdog.expire_overdue``)
    whether or not anyone waits, and its waiters, callbacks and futures all get
    the error naming the op, the group, the sequence number and the ranks that
    never arrived.
@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from spmd.errors import CollectiveError, CollectiveTimeoutError
+from spmd.errors import CollectiveError, CollectiveTimeoutError, timeout_error
 
 Timeout = float | timedelta | None
 
@@ -46,18 +46,6 @@ def seconds(timeout: Timeout) -> float | None:
     if isinstance(timeout, timedelta):
         return timeout.total_seconds()
     return timeout
-
-
-def timeout_error(description: str, limit: float | None, detail: str = "") -> CollectiveTimeoutError:
-    """The error for an operation that outlived its timeout (kernel- or backend-detected)."""
-    within = f"within {limit:.1f} s" if limit is not None else "in time"
-    suffix = f" ({detail})" if detail else ""
-    return CollectiveTimeoutError(
-        f"{description} did not complete {within}{suffix}. A peer rank may have skipped this "
-        "call, died, or be stuck elsewhere; check that every rank of the group reaches the "
-        "same collectives in the same order, or raise the timeout (timeout= on the op, "
-        "new_group(timeout=...), spmd.init(timeout=...))"
-    )
 
 
 class Work:
@@ -198,7 +186,7 @@ class Work:
     def _expire(self, error: BaseException) -> None:
         """The kernel's deadline passed with this Work still running: fail it with ``error`` explained.
 
-        Called by the watchdog (``spmd.debug.watchdog.expire_overdue``) for an
+        Called by the watchdog (``spmd.comm.health.watchdog.expire_overdue``) for an
         async Work nobody waited out in time; every waiter, callback and future
         then sees the explained error (op, group, sequence number, the ranks
         that never arrived). A result the backend delivers later is ignored.

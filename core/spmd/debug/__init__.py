@@ -1,4 +1,8 @@
-"""Hangs become errors: the flight recorder, the watchdog, desync checks, dumps and their analysis.
+"""The flight recorder, its dumps, the signatures of calls, and the offline analysis of dumps.
+
+The live checks that use them (the watchdog, desync and first-call checks, the
+always-on mismatch checks) are ``spmd.comm.health``: this package sits below
+the communication layer and imports nothing of it.
 
 Environment switches (also ``spmd.init`` options where noted):
 
@@ -7,7 +11,7 @@ Environment switches (also ``spmd.init`` options where noted):
 ``SPMD_WATCHDOG=0``         no watchdog thread (no progress publishing, no dumps on request)
 ``SPMD_WATCHDOG_INTERVAL``  seconds between progress publications (default 1.0)
 ``SPMD_DESYNC_CHECK=1``     compare op, shapes, dtypes and reduce op across ranks before each collective
-``SPMD_HISTORY_CHECK=0``    no always-on mismatch check (the watchdog's comparison of recent calls, ``history.py``)
+``SPMD_HISTORY_CHECK=0``    no always-on mismatch check (the watchdog's comparison of recent calls, ``spmd.comm.health.history``)
 """
 
 from spmd.debug.dump import dump, dump_format_version

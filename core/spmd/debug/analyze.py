@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spmd.debug.desync import SHAPES_MAY_DIFFER
 from spmd.debug.dump import dump_format_version
+from spmd.debug.signatures import SHAPES_MAY_DIFFER
 
 
 @dataclass

@@ -33,26 +33,27 @@ def trace_dir() -> Path:
 
 
 def dump(reason: str = "requested", directory: str | os.PathLike | None = None) -> Path | None:
-    """Write this rank's flight recorder to ``<dir>/rank<N>.json``; returns the path (None before init)."""
-    from spmd.comm import state
+    """Write this rank's flight recorder to ``<dir>/rank<N>.json``; returns the path (None before init).
 
-    if not state.is_initialized():
+    What it says of the world comes from ``recorder.world_view``, which ``spmd.comm.init`` sets.
+    """
+    view = recorder.world_view() if recorder.world_view is not None else None
+    if view is None:
         return None
-    current = state.get_state()
+    rank, world_size, groups = view
     folder = Path(directory) if directory is not None else trace_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    rank = current.world.rank
     payload: dict[str, Any] = {
         "version": dump_format_version,
         "rank": rank,
-        "world_size": current.world.size,
+        "world_size": world_size,
         # which run and attempt (spmd run / torchrun set these): analysis leaves out dumps of other ones
         "run": [os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("TORCHELASTIC_RESTART_COUNT")],
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "time": time.time(),
         "reason": reason,
-        "groups": {name: list(g.ranks) for name, g in current.groups.items()},
+        "groups": groups,
         "progress": {
             name: {"last_started": p[0], "last_started_op": p[1], "last_completed": p[2], "last_completed_op": p[3]}
             for name, p in recorder.progress.items()

@@ -142,13 +142,16 @@ class FlightRecorder:
         self.entries: collections.deque[Entry | Record] = collections.deque(maxlen=max(capacity, 1))
         self.enabled = capacity > 0
         # group -> [last started seq, its op, last completed seq, its op, the last started Entry or Record,
-        #           the group's last HISTORY Entries and Records (for the always-on mismatch check, spmd.debug.history)]
+        #           the group's last HISTORY Entries and Records (for the always-on mismatch check, spmd.comm.health.history)]
         self.progress: dict[str, list[Any]] = {}
         #: Whether each group's recent Entries are kept for the mismatch check (``SPMD_HISTORY_CHECK``).
         self.keep_history = os.environ.get("SPMD_HISTORY_CHECK", "1") not in ("", "0", "false")
         #: group -> [point-to-point calls so far, the last HISTORY of them as P2PCall tuples, calls so far per
-        #: (op, peer, tag)]: what the always-on check pairs with the peers' calls (spmd.debug.p2p_check)
+        #: (op, peer, tag)]: what the always-on check pairs with the peers' calls (spmd.comm.health.p2p_check)
         self.p2p_calls: dict[str, list[Any]] = {}
+        #: (this rank, the world size, every group's ranks by name) or None: what a dump says of the world
+        #: (``spmd.comm.init`` sets it; this package sits below comm and reads none of its state).
+        self.world_view: Callable[[], tuple[int, int, dict[str, list[int]]] | None] | None = None
         # async (entry, work, monotonic deadline, timeout) for the watchdog to poll and age
         self.outstanding: list[tuple[Entry, Any, float | None, float | None]] = []
         self.lock = threading.Lock()

@@ -3,7 +3,7 @@
 One daemon thread per process, started by ``spmd.init``. Every 0.2 s it
 ages the outstanding async Works and fails those past their deadline
 (``expire_overdue``), waited on or not, adopts the groups other ranks gave up
-on, runs the mismatch check (``spmd.debug.history``) and, when any rank asked
+on, runs the mismatch check (``spmd.comm.health.history``) and, when any rank asked
 for dumps, dumps the flight recorder; every interval it writes this rank's
 per-group progress to the store. It uses its own store client,
 so a main thread blocked in the store never stalls it. ``diagnose`` runs in
@@ -17,18 +17,19 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as tdist
 
-from spmd.debug.desync import comparable_signature
+from spmd.comm.health.history import CLOCK, HistoryCheck
+from spmd.comm.health.p2p_check import P2PCheck
 from spmd.debug.dump import dump, trace_dir
-from spmd.debug.history import CLOCK, HistoryCheck
-from spmd.debug.p2p_check import P2PCheck
 from spmd.debug.recorder import Entry, recorder
-from spmd.errors import first_line
+from spmd.debug.signatures import comparable_signature
+from spmd.errors import first_line, timeout_error
 
 PROGRESS_KEY = "spmd/debug/progress/{rank}"
 DUMP_COUNTER = "spmd/debug/dump_requests"
@@ -64,8 +65,12 @@ def _own_client(store: tdist.Store) -> tdist.Store:
 class Watchdog:
     """The per-process watchdog thread."""
 
-    def __init__(self, store: tdist.Store, rank: int, interval: float | None = None, store_host: str | None = None) -> None:
+    def __init__(self, store: tdist.Store, rank: int, interval: float | None = None, store_host: str | None = None,
+                 groups: Callable[[], list[Any]] = list) -> None:
         self.rank = rank
+        #: The groups of the current world this rank belongs to, the world first (none before init or after
+        #: destroy): handed in by ``spmd.comm.init``, which owns the world.
+        self._groups = groups
         #: Who hosts the job's store ("rank 0's process (10.0.0.1:29500)"), for errors when it is gone.
         self.store_host = store_host
         #: Set (to the error's first line) once the store stopped answering: its host died or exited.
@@ -132,13 +137,12 @@ class Watchdog:
         """Wait (until ``deadline``) for every rank of the world to finish its shutdown check, then let rank 0,
         which usually hosts the store, leave last: a host that left first would break the others' last reads.
         (The keys carry the world group's uid, new for each world a process makes on one store.)"""
-        from spmd.comm import state  # the debug package sits below comm
-
-        current = state._state
-        if current is None or current.world.size < 2:
+        groups = self._groups()
+        if not groups or groups[0].size < 2:
             return
-        size = current.world.size
-        arrived, left = (f"{FINAL_CHECK_KEY}/{current.world.uid}/{phase}" for phase in ("arrived", "left"))
+        world = groups[0]
+        size = world.size
+        arrived, left = (f"{FINAL_CHECK_KEY}/{world.uid}/{phase}" for phase in ("arrived", "left"))
         self._wait_for_count(arrived, size, deadline, add=1)
         if self.rank != 0:
             with self.lock:
@@ -249,16 +253,6 @@ class Watchdog:
                     group.fail_pending()
             self.seen_unusable = count
 
-    @staticmethod
-    def _groups() -> list[Any]:
-        """The groups of the current world this rank belongs to (none before init or after destroy)."""
-        from spmd.comm import state  # the debug package sits below comm
-
-        current = state._state
-        if current is None:
-            return []
-        groups = {id(g): g for g in [current.world, *current.groups.values()]}  # (the world is in both)
-        return list(groups.values())
 
     # -- used from the waiting thread -------------------------------------------------------
     def request_dumps(self, reason: str) -> int:
@@ -354,13 +348,15 @@ def world_baseline(store: tdist.Store) -> tuple[int, int]:
     return int(store.add(CLOCK, 0)), int(store.add(UNUSABLE_COUNT, 0))
 
 
-def start(store: tdist.Store, rank: int, store_host: str | None = None, baseline: tuple[int, int] | None = None) -> Watchdog | None:
-    """Start the process's watchdog (unless ``SPMD_WATCHDOG=0``); ``store_host`` says who hosts ``store``,
-    ``baseline`` is ``world_baseline(store)`` from before the world's ranks had all arrived."""
+def start(store: tdist.Store, rank: int, groups: Callable[[], list[Any]], store_host: str | None = None,
+          baseline: tuple[int, int] | None = None) -> Watchdog | None:
+    """Start the process's watchdog (unless ``SPMD_WATCHDOG=0``) over the groups ``groups()`` lists (the world
+    first); ``store_host`` says who hosts ``store``, ``baseline`` is ``world_baseline(store)`` from before the
+    world's ranks had all arrived."""
     global _watchdog
     if os.environ.get("SPMD_WATCHDOG", "1") == "0":
         return None
-    _watchdog = Watchdog(store, rank, store_host=store_host)
+    _watchdog = Watchdog(store, rank, store_host=store_host, groups=groups)
     _watchdog.start(baseline)
     return _watchdog
 
@@ -390,8 +386,6 @@ def expire_overdue(now: float | None = None) -> int:
     its waiters, callbacks and futures all see that error. Runs in the
     watchdog thread every ``DEADLINE_STEP`` seconds.
     """
-    from spmd.comm.work import timeout_error  # the debug package sits below comm
-
     overdue = recorder.poll_outstanding(time.monotonic() if now is None else now)
     for _entry, work, limit in overdue:
         work._expire(timeout_error(work.description, limit))

@@ -26,12 +26,12 @@ import json
 import threading
 from typing import Any
 
-from spmd.debug.desync import call_signature, pair_split_mismatch
 from spmd.debug.recorder import recorder
+from spmd.debug.signatures import call_signature, pair_split_mismatch
 
 HISTORY_KEY = "spmd/debug/history/{group}/{rank}"
 #: The store's logical clock: numbers published call histories and announcements that a rank gave a group up
-#: (spmd.debug.watchdog), in store order, so a rank tells this world's from an earlier world's on the same
+#: (spmd.comm.health.watchdog), in store order, so a rank tells this world's from an earlier world's on the same
 #: store without comparing hosts' wall clocks.
 CLOCK = "spmd/debug/clock"
 #: Calls per group in each published payload (each step publishes the newest ones).

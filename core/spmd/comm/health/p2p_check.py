@@ -9,7 +9,7 @@ receive on B from A with tag t. Every watchdog step each rank publishes the
 signatures (dtype, element count) of its newest sends, per destination and
 tag, and compares its receives with what their senders published; the first
 difference gives the group up with both calls named, as the collective
-history check does (``spmd.debug.history``). Costs a p2p op a counter and a deque append.
+history check does (``spmd.comm.health.history``). Costs a p2p op a counter and a deque append.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import threading
 from typing import Any
 
-from spmd.debug.history import CLOCK, PUBLISHED
+from spmd.comm.health.history import CLOCK, PUBLISHED
 from spmd.debug.recorder import recorder
 
 P2P_KEY = "spmd/debug/p2p/{group}/{rank}"

@@ -25,9 +25,10 @@ from spmd.bench.timing import (
 
 def raw_peer(backend: str, ctx: PeerContext) -> dict[str, Callable[[int], Callable[[], object]]] | None:
     """The raw-library makers a plugin offers for ``backend`` (``spmd_bench_peers``), or None."""
+    from spmd import hookspecs
     from spmd.plugins import manager
 
-    for _, peers in manager().hook_results("spmd_bench_peers"):
+    for _, peers in manager().results(hookspecs.spmd_bench_peers):
         factory = peers.get(backend)
         if factory is not None:
             return dict(factory(ctx))

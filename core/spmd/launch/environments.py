@@ -189,9 +189,10 @@ def spmd_cluster_environments() -> Iterable[object]:
 
 def detect_launch() -> tuple[str, LaunchInfo] | None:
     """Ask every cluster environment plugin, highest priority first; None if none detects."""
+    from spmd import hookspecs
     from spmd.plugins import manager
 
-    found = [env for _, envs in manager().hook_results("spmd_cluster_environments") for env in envs]
+    found = [env for _, envs in manager().results(hookspecs.spmd_cluster_environments) for env in envs]
     for env in sorted(found, key=lambda e: -e.priority):
         if env.detect():
             return env.name, env.launch_info()

@@ -15,7 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from spmd import hookspecs
 from spmd.markers import hookimpl
+from spmd.registry import Registry
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -187,13 +189,25 @@ def spmd_cluster_environments() -> Iterable[object]:
     return [TorchrunEnvironment(), KubernetesPyTorchJobEnvironment(), MpiEnvironment(), SlurmEnvironment()]
 
 
+def _is_environment(env: object) -> bool:
+    return isinstance(getattr(env, "name", None), str) and isinstance(getattr(env, "priority", None), int) and all(
+        callable(getattr(env, method, None)) for method in ("detect", "launch_info"))
+
+
+ENVIRONMENTS: Registry[str, ClusterEnvironment] = Registry(
+    hookspecs.spmd_cluster_environments,
+    what="cluster environment",
+    plural="environments",
+    expected="a ClusterEnvironment (str name, int priority, detect(), launch_info())",
+    accepts=_is_environment,
+    keys=lambda env: [env.name],
+    how_to_override="set overrides = True on the environment that should win",
+)
+
+
 def detect_launch() -> tuple[str, LaunchInfo] | None:
     """Ask every cluster environment plugin, highest priority first; None if none detects."""
-    from spmd import hookspecs
-    from spmd.plugins import manager
-
-    found = [env for _, envs in manager().results(hookspecs.spmd_cluster_environments) for env in envs]
-    for env in sorted(found, key=lambda e: -e.priority):
+    for env in sorted((e.spec for e in ENVIRONMENTS.entries().values()), key=lambda e: -e.priority):
         if env.detect():
             return env.name, env.launch_info()
     return None

@@ -111,9 +111,9 @@ def _plugin(name, **hooks):
 def widgets():
     specs = _specs_module()
     plugins.manager().add_hookspecs(specs)
-    made = Registry(specs.spmd_widgets, what="widget", plural="widgets", expected="a Widget",
-                    accepts=lambda w: isinstance(w, Widget), keys=lambda w: [w.name], hint="Install a widget plugin")
-    gadgets = Registry(specs.spmd_gadgets, what="gadget", plural="gadgets", expected="an int",
+    made = Registry(specs.spmd_widgets, "widget", Widget, expected="a Widget",
+                    hint="Install a widget plugin")
+    gadgets = Registry(specs.spmd_gadgets, "gadget", keys=None, expected="an int",
                        accepts=lambda v: isinstance(v, int), accepts_key=lambda k: isinstance(k, str),
                        expected_key="keys must be str")
     yield made, gadgets

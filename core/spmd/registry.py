@@ -54,34 +54,46 @@ class Table(Generic[K, S]):
     memo: dict[Any, Any] = field(default_factory=dict)
 
 
+def _by_name(spec: Any) -> list[Any]:
+    return [spec.name]
+
+
 class Registry(Generic[K, S]):
     """Key -> Entry, collected from every plugin's answer to ``hook``; rebuilt when the plugins change.
 
-    ``hook``: the hookspec function. ``keys(spec)``: the keys a spec serves (None: the hook returns a
-    mapping key -> spec). ``accepts(spec)`` / ``accepts_key(key)``: the type checks, ``expected`` /
-    ``expected_key`` say what was expected in their errors. ``missing``, ``listed`` and ``hint`` shape the not-found error.
+    ``hook``: the hookspec function; ``what``: what one entry is called in messages. A hook returns
+    specs of ``spec_type`` (or ones ``accepts(spec)`` takes, ``expected`` naming them), each serving
+    the keys ``keys(spec)`` (its ``name`` by default); ``keys=None``: the hook returns a mapping key ->
+    spec, its keys checked by ``accepts_key`` (``expected_key`` says what they must be). ``missing``,
+    ``listed`` and ``hint`` shape the not-found error.
     """
 
     def __init__(
         self,
         hook: Callable[..., Any],
-        *,
         what: str,
-        plural: str,
-        expected: str,
-        accepts: Callable[[object], bool],
-        keys: Callable[[Any], Iterable[K]] | None = None,
+        spec_type: type | None = None,
+        *,
+        plural: str = "",
+        expected: str = "",
+        accepts: Callable[[object], bool] | None = None,
+        keys: Callable[[Any], Iterable[K]] | None = _by_name,
         accepts_key: Callable[[object], bool] = lambda key: True,
         expected_key: str = "",
-        how_to_override: str = "declare overrides=True in the spec that should win",
+        how_to_override: str = "",
         missing: type[NotProvidedError] = NotProvidedError,
         listed: str = "available",
         hint: str | Callable[[K], str] = "",
     ) -> None:
-        self.hook = hook
-        self.what, self.plural, self.expected = what, plural, expected
-        self._accepts, self._keys, self._accepts_key, self._expected_key = accepts, keys, accepts_key, expected_key
-        self._how_to_override = how_to_override
+        self.hook, self.what, self.plural = hook, what, plural or f"{what}s"
+        self.expected = expected or (f"{spec_type.__module__}.{spec_type.__qualname__}" if spec_type is not None else "?")
+        if accepts is None:
+            accepts = callable if spec_type is None else (lambda spec: isinstance(spec, spec_type))
+        self._accepts = accepts
+        self._keys, self._accepts_key, self._expected_key = keys, accepts_key, expected_key
+        self._how_to_override = how_to_override or (
+            f"declare overrides=True in the {spec_type.__qualname__ if spec_type else 'spec'} that should win" if keys is not None
+            else f"map it to spmd.Overriding({what.split()[-1]}) in the plugin that should win")
         self._missing, self._listed, self._hint = missing, listed, hint
         self._table: Table[K, S] | None = None
         self._lock = threading.Lock()

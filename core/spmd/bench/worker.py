@@ -25,13 +25,7 @@ from spmd.bench.timing import (
 from spmd.registry import Registry
 
 BENCH_PEERS: Registry[str, Callable[[PeerContext], Mapping[str, Callable[[int], Callable[[], object]]]]] = Registry(
-    hookspecs.spmd_bench_peers,
-    what="bench peer",
-    plural="bench peers",
-    expected="a factory peer(ctx) -> {op: make(nbytes) -> call()}",
-    accepts=callable,
-    how_to_override="map the backend to spmd.Overriding(factory) in the plugin that should win",
-)
+    hookspecs.spmd_bench_peers, "bench peer", keys=None, expected="a factory peer(ctx) -> {op: make(nbytes) -> call()}")
 
 
 def raw_peer(backend: str, ctx: PeerContext) -> dict[str, Callable[[int], Callable[[], object]]] | None:

@@ -118,15 +118,7 @@ class StorageNotFoundError(NotProvidedError):
 RegisteredStorage = Entry[str, StorageSpec]
 
 STORAGES: Registry[str, StorageSpec] = Registry(
-    hookspecs.spmd_storages,
-    what="storage scheme",
-    plural="schemes",
-    expected="spmd.checkpoint.StorageSpec",
-    accepts=lambda spec: isinstance(spec, StorageSpec),
-    keys=lambda spec: spec.schemes,
-    how_to_override="declare overrides=True in the StorageSpec that should win",
-    missing=StorageNotFoundError,
-)
+    hookspecs.spmd_storages, "storage scheme", StorageSpec, plural="schemes", keys=lambda spec: spec.schemes, missing=StorageNotFoundError)
 
 
 def storages() -> dict[str, RegisteredStorage]:

@@ -30,17 +30,7 @@ def _install_hint(name: str) -> str:
 
 
 BACKENDS: Registry[str, BackendSpec] = Registry(
-    hookspecs.spmd_backends,
-    what="backend",
-    plural="backends",
-    expected="spmd.BackendSpec",
-    accepts=lambda spec: isinstance(spec, BackendSpec),
-    keys=lambda spec: [spec.name],
-    how_to_override="declare overrides=True in the BackendSpec that should win",
-    missing=BackendNotFoundError,
-    listed="installed",
-    hint=_install_hint,
-)
+    hookspecs.spmd_backends, "backend", BackendSpec, missing=BackendNotFoundError, listed="installed", hint=_install_hint)
 
 
 class BackendRegistry:

@@ -195,14 +195,8 @@ def _is_environment(env: object) -> bool:
 
 
 ENVIRONMENTS: Registry[str, ClusterEnvironment] = Registry(
-    hookspecs.spmd_cluster_environments,
-    what="cluster environment",
-    plural="environments",
-    expected="a ClusterEnvironment (str name, int priority, detect(), launch_info())",
-    accepts=_is_environment,
-    keys=lambda env: [env.name],
-    how_to_override="set overrides = True on the environment that should win",
-)
+    hookspecs.spmd_cluster_environments, "cluster environment", accepts=_is_environment,
+    expected="a ClusterEnvironment (str name, int priority, detect(), launch_info())")
 
 
 def detect_launch() -> tuple[str, LaunchInfo] | None:

@@ -61,14 +61,7 @@ class RendezvousBackendSpec:
 
 
 RENDEZVOUS_BACKENDS: Registry[str, RendezvousBackendSpec] = Registry(
-    hookspecs.spmd_rendezvous_backends,
-    what="rendezvous backend",
-    plural="rendezvous backends",
-    expected="spmd.launch.rdzv_backends.RendezvousBackendSpec",
-    accepts=lambda spec: isinstance(spec, RendezvousBackendSpec),
-    keys=lambda spec: [spec.name],
-    how_to_override="set overrides=True in the spec that should win",
-)
+    hookspecs.spmd_rendezvous_backends, "rendezvous backend", RendezvousBackendSpec)
 
 
 def canonical(name: str | None) -> str:

@@ -99,17 +99,10 @@ class CommHookNotFoundError(NotProvidedError):
     """No loaded plugin names a communication hook of the requested name."""
 
 
+_HINT = "A plugin names one in its spmd_comm_hooks() hook, or code with spmd.parallel.comm_hooks.register_hook(name, hook)"
 COMM_HOOKS: Registry[str, CommHook] = Registry(
-    hookspecs.spmd_comm_hooks,
-    what="communication hook",
-    plural="hooks",
-    expected="a callable hook(state, bucket) -> spmd.Work",
-    accepts=callable,
-    how_to_override="map the name to spmd.Overriding(hook) in the plugin that should win (register_hook(..., override=True))",
-    missing=CommHookNotFoundError,
-    listed="registered",
-    hint="A plugin names one in its spmd_comm_hooks() hook, or code with spmd.parallel.comm_hooks.register_hook(name, hook)",
-)
+    hookspecs.spmd_comm_hooks, "communication hook", plural="hooks", keys=None, expected="a callable hook(state, bucket) -> spmd.Work",
+    missing=CommHookNotFoundError, listed="registered", hint=_HINT)
 
 
 class _NamedHook:

@@ -28,17 +28,9 @@ class StrategyNotFoundError(NotProvidedError):
 #: A StrategySpec and the plugin that provided it.
 RegisteredStrategy = Entry[str, StrategySpec]
 
+_HINT = "A strategy comes from a plugin's spmd_strategies() hook; check what is installed with `spmd plugins`"
 STRATEGIES: Registry[str, StrategySpec] = Registry(
-    hookspecs.spmd_strategies,
-    what="strategy",
-    plural="strategies",
-    expected="spmd.parallel.StrategySpec",
-    accepts=lambda spec: isinstance(spec, StrategySpec),
-    keys=lambda spec: [spec.name],
-    how_to_override="declare overrides=True in the StrategySpec that should win",
-    missing=StrategyNotFoundError,
-    hint="A strategy comes from a plugin's spmd_strategies() hook; check what is installed with `spmd plugins`",
-)
+    hookspecs.spmd_strategies, "strategy", StrategySpec, plural="strategies", missing=StrategyNotFoundError, hint=_HINT)
 
 
 def strategies() -> dict[str, RegisteredStrategy]:

@@ -22,17 +22,10 @@ def _is_schedule(cls: object) -> bool:
     return isinstance(cls, type) and issubclass(cls, Schedule) and isinstance(getattr(cls, "name", None), str)
 
 
+_HINT = "A schedule comes from a plugin's spmd_schedules() hook; check what is installed with `spmd plugins`"
 SCHEDULES: Registry[str, type] = Registry(
-    hookspecs.spmd_schedules,
-    what="pipeline schedule",
-    plural="schedules",
-    expected="a subclass of spmd.pipeline.Schedule with a str `name`",
-    accepts=_is_schedule,
-    keys=lambda cls: [cls.name],
-    how_to_override="set overrides = True on the class that should win",
-    missing=ScheduleNotFoundError,
-    hint="A schedule comes from a plugin's spmd_schedules() hook; check what is installed with `spmd plugins`",
-)
+    hookspecs.spmd_schedules, "pipeline schedule", plural="schedules", accepts=_is_schedule, missing=ScheduleNotFoundError,
+    expected="a subclass of spmd.pipeline.Schedule with a str `name`", how_to_override="set overrides = True on the class that should win", hint=_HINT)
 
 
 def schedules() -> dict[str, tuple[type, str]]:

@@ -19,16 +19,10 @@ def _is_op(op: object) -> bool:
     return isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
 
 
+_OPS = "keys must be aten op overloads such as torch.ops.aten.mm.default (or packets such as torch.ops.aten.mm)"
 RULES: Registry[Any, Any] = Registry(
-    hookspecs.spmd_sharding_rules,
-    what="sharding rule",
-    plural="rules",
-    expected="a rule (a callable or spmd.tensor.Decompose)",
-    accepts=lambda rule: callable(rule) or isinstance(rule, Decompose),
-    accepts_key=_is_op,
-    expected_key="keys must be aten op overloads such as torch.ops.aten.mm.default (or packets such as torch.ops.aten.mm)",
-    how_to_override="map the op to spmd.Overriding(rule) in the plugin whose rule should win",
-)
+    hookspecs.spmd_sharding_rules, "sharding rule", keys=None, accepts=lambda rule: callable(rule) or isinstance(rule, Decompose),
+    expected="a rule (a callable or spmd.tensor.Decompose)", accepts_key=_is_op, expected_key=_OPS)
 
 
 def lookup(op: torch._ops.OpOverload) -> Any:

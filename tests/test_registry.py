@@ -236,3 +236,32 @@ def test_register_comm_hook_is_a_plugin_and_a_second_name_needs_override():
             plugins._added.pop(f"comm-hook:{name}", None)
         plugins.reset()
     assert comm_hooks.get_hook("allreduce") is comm_hooks.allreduce_hook
+
+
+def test_a_plugin_module_that_registers_a_comm_hook_at_its_import_loads(tmp_path, monkeypatch):
+    """register_hook called while the manager is loading the module (from the loading thread) neither blocks
+    nor is lost: the hook is found, and again after a reset (the module is not imported twice)."""
+    import importlib.metadata
+
+    from spmd.parallel import comm_hooks
+
+    (tmp_path / "hooky_plugin.py").write_text(
+        "from spmd.parallel.comm_hooks import allreduce_hook, register_hook\n"
+        "register_hook('hooky', allreduce_hook)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    real = importlib.metadata.entry_points
+
+    def with_hooky(**kwargs):
+        eps = list(real(**kwargs))
+        if kwargs.get("group") == "spmd":
+            eps.append(importlib.metadata.EntryPoint("hooky", "hooky_plugin", "spmd"))
+        return eps
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", with_hooky)
+    try:
+        assert comm_hooks.get_hook("hooky") is comm_hooks.allreduce_hook
+        assert plugins.manager().infos["hooky"].loaded
+        plugins.reset()
+        assert comm_hooks.get_hook("hooky") is comm_hooks.allreduce_hook
+    finally:
+        plugins._added.pop("comm-hook:hooky", None)

@@ -96,7 +96,7 @@ class Registry(Generic[K, S]):
             else f"map it to spmd.Overriding({what.split()[-1]}) in the plugin that should win")
         self._missing, self._listed, self._hint = missing, listed, hint
         self._table: Table[K, S] | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         ALL.append(self)
 
     @property
@@ -107,11 +107,12 @@ class Registry(Generic[K, S]):
         """This generation's table (built on first use, read without a lock afterwards)."""
         table = self._table
         if table is None or table.generation is not plugins.generation:
-            with self._lock:
+            pm = plugins.manager()  # first, outside the lock: a plugin loading now may look a key up here
+            with self._lock:  # reentrant: a hook implementation may look a key up too
                 table = self._table
                 if table is None or table.generation is not plugins.generation:
-                    generation = plugins.generation
-                    table = self._table = Table(generation, self._collect(plugins.manager()))
+                    generation = plugins.generation  # read before the hooks run: a change while they do rebuilds
+                    table = self._table = Table(generation, self._collect(pm))
         return table
 
     def entries(self) -> dict[K, Entry[K, S]]:

@@ -441,6 +441,31 @@ def rules_registered_and_removed_at_run_time() -> list[str]:
 _LATE_LIBRARY: list[Any] = []
 
 
+def builtin_rule_overridden_by_a_plugin() -> list[str]:
+    """``x @ w`` (Shard(0) by Replicate) under the builtin mm rule (a row-sharded result), then under a plugin that
+    maps aten.mm to ``spmd.Overriding(replicate_rule)`` (a replicated result), then with that plugin gone."""
+    import types
+
+    from spmd.plugins import manager
+    from spmd.tensor.rule import replicate_rule
+
+    mesh = spmd.init_device_mesh("cpu", (spmd.get_world_size(),))
+    x, w = torch.arange(8.0).reshape(4, 2), torch.arange(6.0).reshape(2, 3)
+    dx, dw = spmd.distribute_tensor(x, mesh, [Shard(0)]), spmd.distribute_tensor(w, mesh, [Replicate()])
+    plugin = types.ModuleType("spmd_mm_override")
+    plugin.spmd_sharding_rules = spmd.hookimpl(lambda: {torch.ops.aten.mm.default: spmd.Overriding(replicate_rule)})  # type: ignore[attr-defined]
+    seen = []
+    for step in ("builtin", "overridden", "plugin removed"):
+        if step == "overridden":
+            manager().register(plugin, name="mm-override")
+        elif step == "plugin removed":
+            manager().unregister(plugin)
+        y = torch.mm(dx, dw)
+        assert torch.equal(y.full_tensor(), x @ w)
+        seen.append(f"{step}: {y.placements}")
+    return seen
+
+
 def meshes_made_without_a_mesh() -> dict[str, bool]:
     """distribute_tensor, DTensor.from_local, distribute_module and fully_shard without a mesh: one default mesh
     per world (each call made a new mesh, with new groups, before)."""

@@ -109,6 +109,11 @@ def test_a_rule_registered_or_removed_at_run_time_applies_to_an_op_already_dispa
         assert seen == ["before: (Shard(dim=0),)", "registered: (Replicate(),)", "unregistered: (Shard(dim=0),)"], seen
 
 
+def test_a_rule_plugin_overrides_a_builtin_rule(spmd_world):
+    for seen in spmd_world(2, "gloo").run(h.builtin_rule_overridden_by_a_plugin):
+        assert seen == ["builtin: (Shard(dim=0),)", "overridden: (Replicate(),)", "plugin removed: (Shard(dim=0),)"], seen
+
+
 def test_calls_without_a_mesh_share_the_worlds_default_mesh(spmd_world):
     for seen in spmd_world(2, "gloo").run(h.meshes_made_without_a_mesh):
         assert seen == {"tensors": True, "module": True, "fsdp": True}, seen

@@ -68,12 +68,15 @@ from spmd.errors import (
     CollectiveError,
     CollectiveTimeoutError,
     NotInitializedError,
+    NotProvidedError,
     PluginConflictError,
+    PluginSpecError,
     SpmdError,
 )
 from spmd.interop import register as _register_torch_backend
 from spmd.markers import hookimpl, hookspec
 from spmd.mesh import DeviceMesh, init_device_mesh
+from spmd.registry import Overriding
 from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 __version__ = "0.1.0"
@@ -96,10 +99,13 @@ __all__ = [
     "DeviceMesh",
     "GroupMember",
     "NotInitializedError",
+    "NotProvidedError",
+    "Overriding",
     "P2POp",
     "Partial",
     "Placement",
     "PluginConflictError",
+    "PluginSpecError",
     "ProcessGroup",
     "ReduceOp",
     "Replicate",

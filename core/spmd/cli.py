@@ -6,14 +6,19 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from spmd import hookspecs
 from spmd.errors import SpmdError
 from spmd.plugins import manager
 
-#: The hooks whose results ``spmd plugins`` lists, and how each is labelled.
-_LISTED_HOOKS = ("spmd_backends", "spmd_strategies", "spmd_schedules", "spmd_storages", "spmd_cluster_environments", "spmd_rendezvous_backends", "spmd_sharding_rules")
+#: The hooks whose results ``spmd plugins`` lists.
+_LISTED_HOOKS: tuple[Callable[..., Any], ...] = (
+    hookspecs.spmd_backends, hookspecs.spmd_strategies, hookspecs.spmd_schedules, hookspecs.spmd_storages,
+    hookspecs.spmd_cluster_environments, hookspecs.spmd_rendezvous_backends, hookspecs.spmd_comm_hooks,
+    hookspecs.spmd_sharding_rules,
+)
 
 
 def _provided() -> dict[str, dict[str, list[str]]]:
@@ -23,14 +28,16 @@ def _provided() -> dict[str, dict[str, list[str]]]:
     """
     pm = manager()
     provided: dict[str, dict[str, list[str]]] = {}
-    for hook_name in _LISTED_HOOKS:
-        for plugin, result in pm.call_hook(hook_name):
-            if hook_name == "spmd_backends":
+    for hook in _LISTED_HOOKS:
+        for plugin, result in pm.results(hook):
+            if hook is hookspecs.spmd_backends:
                 label, names = "backends", [f"{s.name} ({', '.join(s.devices)})" for s in result]
-            elif hook_name == "spmd_sharding_rules":
+            elif hook is hookspecs.spmd_sharding_rules:
                 label, names = "sharding rules", [f"{len(result)} ops"]
+            elif hook is hookspecs.spmd_comm_hooks:
+                label, names = "comm hooks", sorted(result)
             else:
-                label = hook_name.removeprefix("spmd_").replace("_", " ")
+                label = hook.__name__.removeprefix("spmd_").replace("_", " ")
                 names = [getattr(x, "name", getattr(x, "__name__", repr(x))) for x in result]
             provided.setdefault(plugin, {}).setdefault(label, []).extend(names)
     return provided

@@ -11,7 +11,11 @@ class NotInitializedError(SpmdError):
     """A collective or query ran before ``spmd.init`` (or after ``destroy_process_group``)."""
 
 
-class BackendNotFoundError(SpmdError, LookupError):
+class NotProvidedError(SpmdError, LookupError):
+    """No loaded plugin provides the name asked for (a backend, strategy, schedule, storage scheme, ...)."""
+
+
+class BackendNotFoundError(NotProvidedError):
     """The backend name asked for is not provided by any installed, loadable plugin."""
 
 
@@ -21,6 +25,10 @@ class BackendUnavailableError(SpmdError):
 
 class PluginConflictError(SpmdError):
     """Two plugins provide the same name and neither declares that it overrides the other."""
+
+
+class PluginSpecError(SpmdError, TypeError):
+    """A plugin's hook returned something that is not what the hook's specification asks for."""
 
 
 class CollectiveTimeoutError(SpmdError, TimeoutError):

@@ -30,10 +30,14 @@ from typing import TYPE_CHECKING, Any
 from spmd.markers import hookspec
 
 if TYPE_CHECKING:  # annotations only: importing these at run time would load the whole kernel
+    from torch._ops import OpOverload, OpOverloadPacket
+
     from spmd.bench.timing import PeerContext
+    from spmd.checkpoint.storage import StorageSpec
     from spmd.comm.backend import BackendSpec
     from spmd.launch.environments import ClusterEnvironment
     from spmd.launch.rdzv_backends import RendezvousBackendSpec
+    from spmd.parallel.comm_hooks import CommHook
     from spmd.parallel.registry import StrategySpec
 
     #: What a bench peer factory returns: op name -> ``make(nbytes) -> call()``.
@@ -54,7 +58,7 @@ def spmd_backends() -> Iterable[BackendSpec]:
 
 
 @hookspec
-def spmd_sharding_rules() -> Mapping[Any, Any]:
+def spmd_sharding_rules() -> Mapping[OpOverload | OpOverloadPacket, Any]:
     """Return sharding rules for DTensor operators.
 
     Signature: ``spmd_sharding_rules() -> Mapping[torch._ops.OpOverload | OpOverloadPacket,
@@ -75,25 +79,38 @@ def spmd_sharding_rules() -> Mapping[Any, Any]:
     on the DTensors themselves. Ready rules: ``spmd.tensor.pointwise_rule``,
     ``linear_pointwise_rule``, ``replicate_rule``. Check a rule with
     ``spmd.testing.rules.check_sharding``. Two plugins with a rule for one op
-    is an error naming both. The standard rules are the builtin plugin
-    ``spmd.tensor.rules``; docs/dtensor.md has a worked example.
+    is an error naming both, unless one maps the op to ``spmd.Overriding(rule)``:
+    that rule replaces the other (a builtin one, say). A rule registered at run
+    time (``spmd.plugins.manager().register(plugin)``) is used from the next
+    dispatch on. The standard rules are the builtin plugin ``spmd.tensor.rules``;
+    docs/dtensor.md has a worked example.
     """
 
 
 @hookspec
 def spmd_strategies() -> Iterable[StrategySpec]:
-    """Return parallelism strategies (DDP, FSDP, ...) that ``spmd.parallelize`` can apply by name.
+    """Return parallelism strategies (DDP, FSDP, ...) that ``spmd.parallel.get_strategy`` finds by name.
 
     Signature: ``spmd_strategies() -> Iterable[spmd.parallel.StrategySpec]`` (``name``,
     ``apply(module, **options) -> module``, ``description``, ``overrides``).
     Called: the first time a strategy is looked up by name (``spmd.parallel.get_strategy``),
     on every rank. Two specs with one name are an error unless one sets ``overrides=True``.
-    The builtin plugin ``spmd.parallel.builtin`` provides ``ddp``.
+    The builtin plugin ``spmd.parallel.builtin`` provides ``ddp``, ``fsdp``, ``tp``.
+    """
 
-    DDP communication hooks are not specs: a plugin names its hooks at import with
-    ``spmd.parallel.comm_hooks.register_hook(name, hook)`` (a hook is
-    ``hook(state, bucket) -> spmd.Work``), and ``ddp.register_comm_hook(state, name)``
-    finds them once the plugins are loaded.
+
+@hookspec
+def spmd_comm_hooks() -> Mapping[str, CommHook]:
+    """Return DDP communication hooks by name.
+
+    Signature: ``spmd_comm_hooks() -> Mapping[str, spmd.parallel.comm_hooks.CommHook]``; a hook is
+    ``hook(state, bucket) -> spmd.Work`` and, when the Work completes, ``bucket.buffer()`` holds
+    the group's average.
+    Called: the first time a hook is looked up by name (``ddp.register_comm_hook(state, "name")``,
+    ``spmd.parallel.comm_hooks.get_hook``), on every rank. Two plugins with one name are an error
+    unless one maps it to ``spmd.Overriding(hook)``. The builtin plugin ``spmd.parallel.builtin``
+    provides ``allreduce``, ``fp16_compress`` (``fp16``) and ``bf16_compress`` (``bf16``); code may
+    add one at run time with ``spmd.parallel.comm_hooks.register_hook(name, hook)``.
     """
 
 
@@ -113,7 +130,7 @@ def spmd_schedules() -> Iterable[type]:
 
 
 @hookspec
-def spmd_storages() -> Iterable[Any]:
+def spmd_storages() -> Iterable[StorageSpec]:
     """Return checkpoint storages: where ``spmd.checkpoint`` reads and writes, by URL scheme.
 
     Signature: ``spmd_storages() -> Iterable[spmd.checkpoint.StorageSpec]``;

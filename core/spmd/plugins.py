@@ -16,7 +16,6 @@ else keeps working.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import importlib
 import importlib.metadata
@@ -24,10 +23,9 @@ import os
 import threading
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import pluggy
 
@@ -52,6 +50,9 @@ BUILTIN_PLUGINS = (
 )
 
 
+R = TypeVar("R")
+
+
 @dataclass
 class PluginInfo:
     """What ``spmd plugins`` and ``spmd doctor`` report about one plugin."""
@@ -73,13 +74,12 @@ class PluginInfo:
 class PluginManager(pluggy.PluginManager):
     """pluggy's manager plus the load report for every plugin, broken ones included.
 
-    Hooks are called through pluggy (``pm.hook.<name>(**kwargs)``), so
-    ``tryfirst``/``trylast``, wrappers and implementations that accept fewer
-    arguments than the spec all work: a hook can grow an argument and every
-    older implementation keeps being called. ``hook_results`` adds what the
-    registries need on top: which plugin returned what (recovered from pluggy's
-    own ``HookImpl`` records), and a plugin whose implementation raises is
-    reported as broken and skipped instead of failing the whole call.
+    ``results(hookspecs.spmd_x, **kwargs)`` calls a hook the way pluggy would
+    (``tryfirst``/``trylast`` order, wrappers around the plain implementations,
+    each implementation given only the arguments it declares, so a hook can grow
+    an argument) but runs each ``HookImpl`` itself: it knows which plugin
+    returned what, and a plugin whose implementation raises is reported broken
+    and skipped instead of failing the whole call.
     """
 
     def __init__(self) -> None:
@@ -88,23 +88,10 @@ class PluginManager(pluggy.PluginManager):
         self.infos: dict[str, PluginInfo] = {}
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
-        """Register ``plugin`` (pluggy's ``register``), guarding its hook implementations.
-
-        Each plain implementation is wrapped once, here, so that when it raises
-        the plugin is reported broken and the call goes on without its result,
-        and so that every result can be traced to the plugin that returned it.
-        Wrappers (``wrapper=True``/``hookwrapper=True``) are left as they are.
-        """
+        """pluggy's ``register``; every cache of hook results sees the new generation."""
         registered = super().register(plugin, name)
-        if registered is None:
-            return None
-        _changed()
-        for caller in self.get_hookcallers(plugin) or ():
-            for impl in caller.get_hookimpls():
-                if impl.plugin is plugin and not (impl.wrapper or impl.hookwrapper):
-                    # HookImpl.function is declared Final in pluggy's stubs; its argnames
-                    # (computed from the original at registration) stay what pluggy passes.
-                    setattr(impl, "function", _guarded(self, caller.name, impl.plugin_name, impl.function))  # noqa: B010
+        if registered is not None:
+            _changed()
         return registered
 
     def unregister(self, plugin: object | None = None, name: str | None = None) -> Any:
@@ -113,40 +100,14 @@ class PluginManager(pluggy.PluginManager):
         _changed()
         return removed
 
-    def call_hook(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
-        """Call one hook through pluggy; return (plugin name, result) for every non-None result.
+    def results(self, spec: Callable[..., R], **kwargs: Any) -> list[tuple[str, R]]:
+        """Call the hook that ``spec`` (a function of ``spmd.hookspecs``) specifies: (plugin, result) per non-None result.
 
-        The order is pluggy's call order (``tryfirst`` first, then the most
-        recently registered plugin first, ``trylast`` last). Implementations
-        receive only the keyword arguments they declare. A plugin whose
-        implementation raises is marked broken in ``infos`` (with a warning)
-        and left out; one whose wrapper raises is left out of a retried call.
-        A result that a wrapper put in the list is attributed to ``"?"``.
+        The order is pluggy's (``tryfirst`` first, then the most recently
+        registered plugin first, ``trylast`` last). A result that only a wrapper
+        put in the list is attributed to ``"?"``.
         """
-        excluded: list[object] = []
-        while True:
-            caller = self.subset_hook_caller(hook_name, excluded) if excluded else getattr(self.hook, hook_name)
-            token = _CALL_RECORD.set([])
-            try:
-                results = caller(**kwargs)
-                record = _CALL_RECORD.get()
-            except Exception as error:
-                culprit = _raising_wrapper(caller, error)
-                if culprit is None:
-                    raise
-                self._mark_broken(culprit.plugin_name, f"{hook_name}() wrapper raised {type(error).__name__}: {error}")
-                excluded.append(culprit.plugin)
-                continue
-            finally:
-                _CALL_RECORD.reset(token)
-            if len(record) == len(results) and all(r is result for (_, r), result in zip(record, results)):
-                return record  # no wrapper changed the list: pluggy's results in call order
-            owners = {id(result): plugin for plugin, result in record}
-            return [(owners.get(id(result), "?"), result) for result in results if result is not None]
-
-    def hook_results(self, hook_name: str, **kwargs: Any) -> Iterator[tuple[str, Any]]:
-        """Iterate ``call_hook(hook_name, **kwargs)``: (plugin name, result), broken plugins skipped."""
-        yield from self.call_hook(hook_name, **kwargs)
+        return _call(self, spec.__name__, kwargs)
 
     def hook_names(self) -> list[str]:
         """The names of every hook with a specification (the live registry, not a hand-kept list)."""
@@ -159,47 +120,58 @@ class PluginManager(pluggy.PluginManager):
         warnings.warn(f"spmd plugin {name!r} is broken and was skipped: {message}", stacklevel=4)
 
 
-#: The (plugin name, result) pairs of the hook call in progress in this context (see ``call_hook``).
-_CALL_RECORD: contextvars.ContextVar[list[tuple[str, Any]]] = contextvars.ContextVar("spmd_hook_call")
-
-
-def _guarded(pm: PluginManager, hook_name: str, plugin_name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function`` that records its result for ``call_hook`` and turns an exception into "broken, skipped"."""
-
-    @functools.wraps(function)  # pluggy reads the argument names through __wrapped__
-    def guarded(*args: Any, **kwargs: Any) -> Any:
+def _call(pm: PluginManager, hook_name: str, kwargs: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Run every implementation of one hook in pluggy's order; an implementation that raises marks its plugin broken."""
+    ordered = list(reversed(getattr(pm.hook, hook_name).get_hookimpls()))  # wrappers outermost-first, then plain ones
+    started: list[tuple[pluggy.HookImpl, Generator[Any, Any, Any]]] = []
+    record: list[tuple[str, Any]] = []
+    for impl in ordered:
         try:
-            result = function(*args, **kwargs)
+            value = impl.function(*[kwargs[name] for name in impl.argnames])
+            if impl.wrapper or impl.hookwrapper:
+                next(value)  # runs the wrapper up to its yield
+                started.append((impl, value))
+            elif value is not None:
+                record.append((impl.plugin_name, value))
         except Exception as error:  # noqa: BLE001 - reported, not fatal
-            pm._mark_broken(plugin_name, f"{hook_name}() raised {type(error).__name__}: {error}")
-            return None
-        if result is not None:
-            record = _CALL_RECORD.get(None)
-            if record is not None:
-                record.append((plugin_name, result))
-        return result
+            pm._mark_broken(impl.plugin_name, f"{hook_name}() {_role(impl)}raised {type(error).__name__}: {error}")
+    results = [value for _, value in record]
+    for impl, wrapper in reversed(started):  # the innermost wrapper sees the results first
+        try:
+            results = _finish_wrapper(impl, wrapper, results)
+        except Exception as error:  # noqa: BLE001 - reported, not fatal: the results stay as they were
+            pm._mark_broken(impl.plugin_name, f"{hook_name}() wrapper raised {type(error).__name__}: {error}")
+    if len(results) == len(record) and all(value is mine for value, (_, mine) in zip(results, record)):
+        return record
+    owners = {id(value): plugin for plugin, value in record}
+    return [(owners.get(id(value), "?"), value) for value in results if value is not None]
 
-    return guarded
+
+def _finish_wrapper(impl: pluggy.HookImpl, wrapper: Generator[Any, Any, Any], results: list[Any]) -> list[Any]:
+    """Send ``results`` into a wrapper paused at its yield; what it returns (new style) or forces (old style)."""
+    if impl.hookwrapper:  # old style: it receives a pluggy.Result and may force another result
+        outcome: pluggy.Result[list[Any]] = pluggy.Result(results, None)
+        try:
+            wrapper.send(outcome)
+        except StopIteration:
+            return outcome.get_result()
+        raise RuntimeError("the hookwrapper yielded twice")
+    try:
+        wrapper.send(results)
+    except StopIteration as stop:
+        return list(stop.value)
+    raise RuntimeError("the wrapper yielded twice")
 
 
-def _raising_wrapper(caller: pluggy.HookCaller, error: BaseException) -> pluggy.HookImpl | None:
-    """The wrapper implementation in whose frame ``error`` was raised, if one was."""
-    wrappers = {impl.function.__code__: impl for impl in caller.get_hookimpls() if (impl.wrapper or impl.hookwrapper) and hasattr(impl.function, "__code__")}
-    tb = error.__traceback__
-    found = None
-    while tb is not None:
-        impl = wrappers.get(tb.tb_frame.f_code)
-        if impl is not None:
-            found = impl
-        tb = tb.tb_next
-    return found
+def _role(impl: pluggy.HookImpl) -> str:
+    return "wrapper " if impl.wrapper or impl.hookwrapper else ""
 
 
 def _names(variable: str) -> set[str]:
     return {n.strip() for n in os.environ.get(variable, "").split(",") if n.strip()}
 
 
-def _register(pm: PluginManager, info: PluginInfo, load: Callable[[], ModuleType]) -> None:
+def _register(pm: PluginManager, info: PluginInfo, load: Callable[[], object]) -> None:
     pm.infos[info.name] = info
     if info.blocked:
         return
@@ -219,8 +191,7 @@ def _register(pm: PluginManager, info: PluginInfo, load: Callable[[], ModuleType
         )
 
 
-def _load_all() -> PluginManager:
-    pm = PluginManager()
+def _load_all(pm: PluginManager) -> PluginManager:
     blocked = _names(ENV_BLOCK)
     kernel_version = importlib.metadata.version("spmd") if _has_dist("spmd") else "dev"
     for module_name in BUILTIN_PLUGINS:
@@ -251,6 +222,9 @@ def _load_all() -> PluginManager:
         if ep.name in pm.infos:
             continue  # one distribution installed twice on the path; the first wins
         _register(pm, info, ep.load)
+    for name, plugin in list(_added.items()):
+        if pm.get_plugin(name) is None:  # (one a plugin module added at its import here is in already)
+            _register_added(pm, name, plugin)
     return pm
 
 
@@ -263,7 +237,13 @@ def _has_dist(name: str) -> bool:
 
 
 _manager: PluginManager | None = None
-_lock = threading.Lock()
+#: The manager being loaded (set while ``_load_all`` runs): a plugin module that adds a plugin at its import
+#: (``add``) reaches it from the loading thread, which holds ``_lock``.
+_loading: PluginManager | None = None
+_lock = threading.RLock()
+#: Plugins that code added at run time (``add``), by name: registered into every manager, this one and any loaded
+#: after a ``reset()`` (a module imported once would otherwise lose what it added at its import).
+_added: dict[str, object] = {}
 
 #: A token that changes whenever the set of plugins does (loaded, reset, registered or unregistered at
 #: run time): every cache of what the hooks returned compares it by identity, one attribute read per use.
@@ -277,48 +257,42 @@ def _changed() -> None:
 
 def manager() -> PluginManager:
     """The loaded PluginManager: builtins, then entry points. Loads lazily, once per process."""
-    global _manager
+    global _manager, _loading
     if _manager is None:
         with _lock:
+            if _loading is not None:  # a plugin being loaded asks (from this thread: the lock is held)
+                return _loading
             if _manager is None:
-                _manager = _load_all()
+                _loading = PluginManager()
+                try:
+                    _manager = _load_all(_loading)
+                finally:
+                    _loading = None
     return _manager
 
 
-T = TypeVar("T")
+def add(plugin: object, name: str) -> None:
+    """Register ``plugin`` as ``name`` now and in every manager loaded later; a plugin added before under
+    ``name`` is replaced. For code that provides hooks at run time (``register_comm_hook`` names a hook so)."""
+    with _lock:
+        _added[name] = plugin
+        pm = _loading or _manager
+        if pm is not None:
+            if pm.get_plugin(name) is not None:
+                pm.unregister(name=name)
+            _register_added(pm, name, plugin)
 
 
-class HookTable(Generic[T]):
-    """What ``build(pm)`` makes of the plugins' hook results, built once per set of plugins.
-
-    The registries of strategies, schedules, storages and sharding rules each
-    keep one: it is rebuilt when the plugin manager was reset or a plugin was
-    registered at runtime (``pm.register``), and read without a lock otherwise.
-    """
-
-    def __init__(self, build: Callable[[PluginManager], T]) -> None:
-        self._build = build
-        self._cache: tuple[object, T] | None = None
-        self._lock = threading.Lock()
-
-    def get(self) -> T:
-        pm = manager()
-        key = generation
-        cached = self._cache
-        if cached is None or cached[0] is not key:
-            with self._lock:
-                cached = self._cache
-                if cached is None or cached[0] is not key:
-                    cached = self._cache = (key, self._build(pm))
-        return cached[1]
-
-    def reset(self) -> None:
-        with self._lock:
-            self._cache = None
+def _register_added(pm: PluginManager, name: str, plugin: object) -> None:
+    module = getattr(plugin, "__module__", None) or getattr(plugin, "__name__", "?")
+    info = PluginInfo(name=name, distribution="(added at run time)", version="-", module=str(module), builtin=False)
+    _register(pm, info, lambda: plugin)
 
 
 def reset() -> None:
-    """Forget the loaded plugins (tests, or after installing a plugin): every registry rebuilds on next use."""
+    """Forget the loaded plugins (tests, or after installing a plugin): every registry rebuilds on next use.
+
+    Plugins added with ``add`` are registered again into the next manager."""
     global _manager
     with _lock:
         _manager = None

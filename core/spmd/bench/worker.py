@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 import spmd
+from spmd import hookspecs
 from spmd.bench.ops import spmd_ops
 from spmd.bench.report import human
 from spmd.bench.timing import (
@@ -21,17 +22,16 @@ from spmd.bench.timing import (
     time_after_work,
     time_interleaved,
 )
+from spmd.registry import Registry
+
+BENCH_PEERS: Registry[str, Callable[[PeerContext], Mapping[str, Callable[[int], Callable[[], object]]]]] = Registry(
+    hookspecs.spmd_bench_peers, "bench peer", keys=None, expected="a factory peer(ctx) -> {op: make(nbytes) -> call()}")
 
 
 def raw_peer(backend: str, ctx: PeerContext) -> dict[str, Callable[[int], Callable[[], object]]] | None:
     """The raw-library makers a plugin offers for ``backend`` (``spmd_bench_peers``), or None."""
-    from spmd.plugins import manager
-
-    for _, peers in manager().hook_results("spmd_bench_peers"):
-        factory = peers.get(backend)
-        if factory is not None:
-            return dict(factory(ctx))
-    return None
+    entry = BENCH_PEERS.find(backend)
+    return dict(entry.spec(ctx)) if entry is not None else None
 
 
 def _agree_max(value: float) -> float:

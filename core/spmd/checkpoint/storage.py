@@ -7,8 +7,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from spmd.errors import PluginConflictError, SpmdError
-from spmd.plugins import HookTable
+from spmd import hookspecs
+from spmd.errors import NotProvidedError
+from spmd.registry import Entry, Registry
 
 #: A scheme that serves every URL whose scheme no other spec names (the fsspec plugin's).
 ANY_SCHEME = "*"
@@ -109,51 +110,25 @@ class StorageSpec:
             object.__setattr__(self, "name", ",".join(self.schemes))
 
 
-class StorageNotFoundError(SpmdError, LookupError):
+class StorageNotFoundError(NotProvidedError):
     """No loaded plugin serves the URL's scheme."""
 
 
-@dataclass(frozen=True)
-class RegisteredStorage:
-    """A StorageSpec and the plugin that provided it."""
+#: A StorageSpec and the plugin that provided it.
+RegisteredStorage = Entry[str, StorageSpec]
 
-    spec: StorageSpec
-    plugin: str
-
-
-def _collect(pm: Any) -> dict[str, RegisteredStorage]:
-    entries: dict[str, RegisteredStorage] = {}
-    for plugin, specs in pm.hook_results("spmd_storages"):
-        for spec in specs:
-            if not isinstance(spec, StorageSpec):
-                raise TypeError(
-                    f"plugin {plugin!r} returned {spec!r} from spmd_storages; expected spmd.checkpoint.StorageSpec"
-                )
-            for scheme in spec.schemes:
-                previous = entries.get(scheme)
-                if previous is not None and not (spec.overrides or previous.spec.overrides):
-                    raise PluginConflictError(
-                        f"storage scheme {scheme!r} is provided by two plugins: {previous.plugin!r} and "
-                        f"{plugin!r}. Uninstall one, block one with SPMD_BLOCK_PLUGINS={plugin}, or declare "
-                        "overrides=True in the StorageSpec that should win"
-                    )
-                if previous is not None and previous.spec.overrides and not spec.overrides:
-                    continue
-                entries[scheme] = RegisteredStorage(spec, plugin)
-    return entries
-
-
-_table = HookTable(_collect)
+STORAGES: Registry[str, StorageSpec] = Registry(
+    hookspecs.spmd_storages, "storage scheme", StorageSpec, plural="schemes", keys=lambda spec: spec.schemes, missing=StorageNotFoundError)
 
 
 def storages() -> dict[str, RegisteredStorage]:
     """Every registered storage by scheme (rebuilt when the plugins change)."""
-    return _table.get()
+    return STORAGES.entries()
 
 
 def reset() -> None:
-    """Forget the collected schemes (after registering a storage plugin at runtime)."""
-    _table.reset()
+    """Forget the collected schemes (they are collected again on next use)."""
+    STORAGES.reset()
 
 
 def scheme_of(url: str) -> str:

@@ -3,32 +3,41 @@
 from __future__ import annotations
 
 import importlib.metadata
-import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from spmd import hookspecs
 from spmd.comm.backend import BackendSpec
-from spmd.errors import BackendNotFoundError, BackendUnavailableError, PluginConflictError
+from spmd.errors import BackendNotFoundError, BackendUnavailableError
+from spmd.registry import Entry, Registry
 
-if TYPE_CHECKING:
-    from spmd.plugins import HookTable
+#: A BackendSpec and the plugin that provided it.
+RegisteredBackend = Entry[str, BackendSpec]
 
 
-@dataclass(frozen=True)
-class RegisteredBackend:
-    """A BackendSpec and the plugin that provided it."""
+def _install_hint(name: str) -> str:
+    """Why ``name`` may be missing and how to get it: a plugin that failed to load, or the pip extra."""
+    from spmd.plugins import manager
 
-    spec: BackendSpec
-    plugin: str
+    hints = []
+    info = manager().infos.get(name)
+    if info is not None and info.error:
+        hints.append(f"plugin {name!r} is installed but failed to load: {info.error}")
+    if name in _kernel_extras():
+        hints.append(f"install it with: pip install 'spmd[{name}]' (or pip install -e plugins/{name})")
+    else:
+        hints.append("install the plugin distribution that provides it, then check with `spmd plugins`")
+    return "; ".join(hints)
+
+
+BACKENDS: Registry[str, BackendSpec] = Registry(
+    hookspecs.spmd_backends, "backend", BackendSpec, missing=BackendNotFoundError, listed="installed", hint=_install_hint)
 
 
 class BackendRegistry:
-    """Name -> backend, built once from every plugin's ``spmd_backends`` hook."""
+    """Name -> backend over ``BACKENDS``, with the choice of a backend per device type."""
 
-    def __init__(self, entries: Mapping[str, RegisteredBackend], broken: Mapping[str, str]) -> None:
-        self._entries = dict(entries)
-        self._broken = dict(broken)  # plugin name -> error, for "why is X missing"
+    def __init__(self, entries: Mapping[str, RegisteredBackend]) -> None:
+        self._entries = entries
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -39,19 +48,9 @@ class BackendRegistry:
     def get(self, name: str) -> RegisteredBackend:
         """The backend called ``name``, or an error that lists what is installed and how to get it."""
         entry = self._entries.get(name)
-        if entry is not None:
-            return entry
-        installed = ", ".join(self.names()) or "none"
-        hints = []
-        if name in self._broken:
-            hints.append(f"plugin {name!r} is installed but failed to load: {self._broken[name]}")
-        if name in _kernel_extras():
-            hints.append(f"install it with: pip install 'spmd[{name}]' (or pip install -e plugins/{name})")
-        else:
-            hints.append("install the plugin distribution that provides it, then check with `spmd plugins`")
-        raise BackendNotFoundError(
-            f"unknown backend {name!r}; installed backends: {installed}. " + "; ".join(hints)
-        )
+        if entry is None:
+            raise BACKENDS.not_found(name)
+        return entry
 
     def for_device(self, device_type: str) -> RegisteredBackend:
         """The highest-priority usable backend for ``device_type`` (what ``spmd.init()`` picks)."""
@@ -82,50 +81,19 @@ def _kernel_extras() -> set[str]:
     return set(extras) - {"all", "dev"}
 
 
-def build_registry() -> BackendRegistry:
-    """Collect BackendSpecs from every plugin; a duplicate name is an error naming both plugins."""
-    from spmd.plugins import manager
-
-    pm = manager()
-    entries: dict[str, RegisteredBackend] = {}
-    for plugin, specs in pm.hook_results("spmd_backends"):
-        for spec in specs:
-            if not isinstance(spec, BackendSpec):
-                raise TypeError(f"plugin {plugin!r} returned {spec!r} from spmd_backends; expected spmd.BackendSpec")
-            previous = entries.get(spec.name)
-            if previous is not None and not (spec.overrides or previous.spec.overrides):
-                raise PluginConflictError(
-                    f"backend {spec.name!r} is provided by two plugins: {previous.plugin!r} and "
-                    f"{plugin!r}. Uninstall one, block one with SPMD_BLOCK_PLUGINS={plugin}, or "
-                    "declare overrides=True in the BackendSpec that should win"
-                )
-            if previous is not None and previous.spec.overrides and not spec.overrides:
-                continue
-            entries[spec.name] = RegisteredBackend(spec, plugin)
-    broken = {name: info.error for name, info in pm.infos.items() if info.error}
-    return BackendRegistry(entries, broken)
-
-
-_table: HookTable[BackendRegistry] | None = None
-_lock = threading.Lock()
-
-
 def backends() -> BackendRegistry:
     """The backend registry: built on first use, and again after a plugin is registered at runtime
     (``spmd.plugins.manager().register(plugin)``), as the other registries are."""
-    global _table
-    if _table is None:
-        from spmd.plugins import HookTable
+    return BackendRegistry(BACKENDS.entries())
 
-        with _lock:
-            if _table is None:
-                _table = HookTable(lambda pm: build_registry())
-    return _table.get()
+
+#: What tests call to collect afresh (the same as ``backends()``: every plugin change starts a new generation).
+build_registry = backends
 
 
 def reset() -> None:
-    if _table is not None:
-        _table.reset()
+    """Forget the collected backends (they are collected again on next use)."""
+    BACKENDS.reset()
 
 
 def parse_backend_string(backend: str | Mapping[str, str] | None) -> dict[str, str] | None:

@@ -15,7 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from spmd import hookspecs
 from spmd.markers import hookimpl
+from spmd.registry import Registry
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -187,12 +189,19 @@ def spmd_cluster_environments() -> Iterable[object]:
     return [TorchrunEnvironment(), KubernetesPyTorchJobEnvironment(), MpiEnvironment(), SlurmEnvironment()]
 
 
+def _is_environment(env: object) -> bool:
+    return isinstance(getattr(env, "name", None), str) and isinstance(getattr(env, "priority", None), int) and all(
+        callable(getattr(env, method, None)) for method in ("detect", "launch_info"))
+
+
+ENVIRONMENTS: Registry[str, ClusterEnvironment] = Registry(
+    hookspecs.spmd_cluster_environments, "cluster environment", accepts=_is_environment,
+    expected="a ClusterEnvironment (str name, int priority, detect(), launch_info())")
+
+
 def detect_launch() -> tuple[str, LaunchInfo] | None:
     """Ask every cluster environment plugin, highest priority first; None if none detects."""
-    from spmd.plugins import manager
-
-    found = [env for _, envs in manager().hook_results("spmd_cluster_environments") for env in envs]
-    for env in sorted(found, key=lambda e: -e.priority):
+    for env in sorted((e.spec for e in ENVIRONMENTS.entries().values()), key=lambda e: -e.priority):
         if env.detect():
             return env.name, env.launch_info()
     return None

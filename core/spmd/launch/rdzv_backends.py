@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from spmd.errors import PluginConflictError, SpmdError
-from spmd.plugins import HookTable
+from spmd import hookspecs
+from spmd.errors import NotProvidedError
+from spmd.registry import Registry
 
 if TYPE_CHECKING:
     import torch.distributed as tdist
@@ -59,25 +60,8 @@ class RendezvousBackendSpec:
     overrides: bool = False
 
 
-def _collect(pm: object) -> dict[str, tuple[RendezvousBackendSpec, str]]:
-    found: dict[str, tuple[RendezvousBackendSpec, str]] = {}
-    for plugin, specs in pm.hook_results("spmd_rendezvous_backends"):  # type: ignore[attr-defined]
-        for spec in specs:
-            if not isinstance(spec, RendezvousBackendSpec):
-                raise TypeError(f"plugin {plugin!r} returned {spec!r} from spmd_rendezvous_backends; expected "
-                                "spmd.launch.rdzv_backends.RendezvousBackendSpec")
-            previous = found.get(spec.name)
-            if previous is not None and not (spec.overrides or previous[0].overrides):
-                raise PluginConflictError(
-                    f"rendezvous backend {spec.name!r} is provided by two plugins: {previous[1]!r} and {plugin!r}. "
-                    f"Uninstall one, block one with SPMD_BLOCK_PLUGINS={plugin}, or set overrides=True in the spec that should win"
-                )
-            if previous is None or spec.overrides:
-                found[spec.name] = (spec, plugin)
-    return found
-
-
-_table = HookTable(_collect)
+RENDEZVOUS_BACKENDS: Registry[str, RendezvousBackendSpec] = Registry(
+    hookspecs.spmd_rendezvous_backends, "rendezvous backend", RendezvousBackendSpec)
 
 
 def canonical(name: str | None) -> str:
@@ -88,11 +72,10 @@ def canonical(name: str | None) -> str:
 
 def open_backend(config: RunConfig) -> RendezvousBackend:
     """Connect this agent to the rendezvous that ``config.rdzv_backend`` names; an error listing the others if none does."""
-    backends = _table.get()
-    name = canonical(config.rdzv_backend)
-    if name not in backends:
-        raise SpmdError(
-            f"--rdzv-backend {config.rdzv_backend!r}: no plugin provides it; installed: {', '.join(sorted(backends)) or 'none'} "
+    entry = RENDEZVOUS_BACKENDS.find(canonical(config.rdzv_backend))
+    if entry is None:
+        raise NotProvidedError(
+            f"--rdzv-backend {config.rdzv_backend!r}: no plugin provides it; installed: {', '.join(RENDEZVOUS_BACKENDS.keys()) or 'none'} "
             "(`spmd plugins` lists what each plugin provides)"
         )
-    return backends[name][0].factory(config)
+    return entry.spec.factory(config)

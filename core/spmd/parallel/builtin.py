@@ -72,3 +72,11 @@ def spmd_strategies() -> list[StrategySpec]:
             "reduce-scatter gradients",
         ),
     ]
+
+
+@hookimpl
+def spmd_comm_hooks() -> dict[str, Any]:
+    """The builtin DDP communication hooks: ``allreduce``, ``fp16_compress`` (``fp16``), ``bf16_compress`` (``bf16``)."""
+    from spmd.parallel.comm_hooks import builtin_hooks
+
+    return builtin_hooks()

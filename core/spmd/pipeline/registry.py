@@ -1,56 +1,41 @@
-"""The schedule registry: every ``spmd_schedules`` class by name, collected once from the plugins."""
+"""The schedule registry: every ``spmd_schedules`` class by name (the generic ``spmd.registry.Registry``)."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-from spmd.errors import PluginConflictError, SpmdError
+from spmd import hookspecs
+from spmd.errors import NotProvidedError
 from spmd.pipeline.actions import Action
 from spmd.pipeline.validate import validate
-from spmd.plugins import HookTable
+from spmd.registry import Registry
 
 
-class ScheduleNotFoundError(SpmdError, LookupError):
+class ScheduleNotFoundError(NotProvidedError):
     """No loaded plugin provides a schedule of the requested name."""
 
 
-def _collect(pm: Any) -> dict[str, tuple[type, str]]:
+def _is_schedule(cls: object) -> bool:
     from spmd.pipeline.schedule import Schedule
 
-    entries: dict[str, tuple[type, str]] = {}
-    for plugin, classes in pm.hook_results("spmd_schedules"):
-        for cls in classes:
-            if not (isinstance(cls, type) and issubclass(cls, Schedule)) or not isinstance(getattr(cls, "name", None), str):
-                raise TypeError(
-                    f"plugin {plugin!r} returned {cls!r} from spmd_schedules; expected a subclass of "
-                    "spmd.pipeline.Schedule with a str `name`"
-                )
-            previous = entries.get(cls.name)
-            overrides = getattr(cls, "overrides", False)
-            if previous is not None and not (overrides or getattr(previous[0], "overrides", False)):
-                raise PluginConflictError(
-                    f"schedule {cls.name!r} is provided by two plugins: {previous[1]!r} ({previous[0].__qualname__}) "
-                    f"and {plugin!r} ({cls.__qualname__}). Uninstall one, block one with SPMD_BLOCK_PLUGINS={plugin}, "
-                    "or set overrides = True on the class that should win"
-                )
-            if previous is not None and getattr(previous[0], "overrides", False) and not overrides:
-                continue
-            entries[cls.name] = (cls, plugin)
-    return entries
+    return isinstance(cls, type) and issubclass(cls, Schedule) and isinstance(getattr(cls, "name", None), str)
 
 
-_table = HookTable(_collect)
+_HINT = "A schedule comes from a plugin's spmd_schedules() hook; check what is installed with `spmd plugins`"
+SCHEDULES: Registry[str, type] = Registry(
+    hookspecs.spmd_schedules, "pipeline schedule", plural="schedules", accepts=_is_schedule, missing=ScheduleNotFoundError,
+    expected="a subclass of spmd.pipeline.Schedule with a str `name`", how_to_override="set overrides = True on the class that should win", hint=_HINT)
 
 
 def schedules() -> dict[str, tuple[type, str]]:
     """Every registered schedule class and the plugin that provided it, by name."""
-    return _table.get()
+    return {name: (entry.spec, entry.plugin) for name, entry in SCHEDULES.entries().items()}
 
 
 def schedule_names() -> list[str]:
     """The names of every registered schedule, sorted."""
-    return sorted(schedules())
+    return SCHEDULES.keys()
 
 
 def get_schedule(name: str) -> Any:
@@ -59,14 +44,7 @@ def get_schedule(name: str) -> Any:
     >>> programs = get_schedule("1f1b").programs(4, 1, 8)      # {rank: [Action, ...]}
     >>> schedule = get_schedule("1f1b")(stage, 8, loss_fn=loss_fn)
     """
-    entry = schedules().get(name)
-    if entry is None:
-        available = ", ".join(schedule_names()) or "none"
-        raise ScheduleNotFoundError(
-            f"unknown pipeline schedule {name!r}; available schedules: {available}. A schedule comes from a "
-            "plugin's spmd_schedules() hook; check what is installed with `spmd plugins`"
-        )
-    return entry[0]
+    return SCHEDULES.get(name).spec
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,4 +1,8 @@
-"""The rule registry: every ``spmd_sharding_rules`` mapping merged once, with conflicts named."""
+"""The rule registry: every ``spmd_sharding_rules`` mapping merged (the generic ``spmd.registry.Registry``).
+
+A plugin's rule for an op the builtin rules already cover is a conflict unless
+the plugin maps the op to ``spmd.Overriding(rule)``: then its rule is used.
+"""
 
 from __future__ import annotations
 
@@ -6,68 +10,40 @@ from typing import Any
 
 import torch
 
-from spmd.errors import PluginConflictError
-from spmd.plugins import HookTable
+from spmd import hookspecs
+from spmd.registry import Registry
+from spmd.tensor.rule import Decompose
 
 
-def _collect(pm: Any) -> tuple[dict[Any, Any], dict[Any, str]]:
-    rules: dict[Any, Any] = {}
-    owners: dict[Any, str] = {}
-    for plugin, mapping in pm.hook_results("spmd_sharding_rules"):
-        for op, rule in dict(mapping).items():
-            if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-                raise TypeError(
-                    f"plugin {plugin!r} returned a rule for {op!r} from spmd_sharding_rules; keys must be "
-                    "aten op overloads such as torch.ops.aten.mm.default (or packets such as torch.ops.aten.mm)"
-                )
-            if op in rules:
-                raise PluginConflictError(
-                    f"two plugins provide a sharding rule for {op}: {owners[op]!r} and {plugin!r}. "
-                    f"Uninstall one or block one with SPMD_BLOCK_PLUGINS={plugin}"
-                )
-            rules[op] = rule
-            owners[op] = plugin
-    return rules, owners
+def _is_op(op: object) -> bool:
+    return isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
 
 
-_table = HookTable(_collect)
-
-
-def _tables() -> tuple[dict[Any, Any], dict[Any, str]]:
-    return _table.get()
-
-
-_resolved: dict[Any, Any] = {}
-_resolved_for: object = None
+_OPS = "keys must be aten op overloads such as torch.ops.aten.mm.default (or packets such as torch.ops.aten.mm)"
+RULES: Registry[Any, Any] = Registry(
+    hookspecs.spmd_sharding_rules, "sharding rule", keys=None, accepts=lambda rule: callable(rule) or isinstance(rule, Decompose),
+    expected="a rule (a callable or spmd.tensor.Decompose)", accepts_key=_is_op, expected_key=_OPS)
 
 
 def lookup(op: torch._ops.OpOverload) -> Any:
-    """The rule for ``op`` (an overload's own rule first, then its packet's), or None; memoised per op."""
-    global _resolved_for
-    from spmd import plugins
-
-    if _resolved_for is not plugins.generation:  # plugins were (re)loaded: resolve afresh
-        _resolved.clear()
-        _resolved_for = plugins.generation
+    """The rule for ``op`` (an overload's own rule first, then its packet's), or None; memoised per op and generation."""
+    table = RULES.table()
     try:
-        return _resolved[op]
+        return table.memo[op]
     except KeyError:
         pass
-    rules = _tables()[0]
-    _resolved_for = plugins.generation
-    rule = rules.get(op)
-    if rule is None:
-        rule = rules.get(op.overloadpacket)
-    _resolved[op] = rule
+    entry = table.entries.get(op) or table.entries.get(op.overloadpacket)
+    rule = table.memo[op] = entry.spec if entry is not None else None
     return rule
 
 
 def owner(op: torch._ops.OpOverload) -> str | None:
     """The plugin that provided ``op``'s rule."""
-    owners = _tables()[1]
-    return owners.get(op) or owners.get(op.overloadpacket)
+    entries = RULES.entries()
+    entry = entries.get(op) or entries.get(op.overloadpacket)
+    return entry.plugin if entry is not None else None
 
 
 def rules() -> dict[Any, Any]:
     """Every registered rule by op (a copy)."""
-    return dict(_tables()[0])
+    return {op: entry.spec for op, entry in RULES.entries().items()}

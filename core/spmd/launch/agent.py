@@ -240,11 +240,11 @@ class Agent:
             _say(f"{failure.summary().splitlines()[0]}; restarting the group ({self.restarts}/{c.max_restarts})")
             rdzv.advance_from(round_)
 
-    def _monitor(self, rdzv: Rendezvous, membership: Membership, hosting: bool) -> tuple[str, Failure | None]:
+    def _monitor(self, rdzv: Rendezvous, membership: Membership, hosting: bool = False) -> tuple[str, Failure | None]:
         """Watch this node's workers and the round's keys until one says how the round goes on. The agent
         hosting the store also follows the other nodes' beats: when it has to wait for them, it knows already
         which went silent."""
-        assert self.group is not None and self._watch is not None
+        assert self.group is not None
         round_ = membership.round
         failed_key = rdzv.key(round_, "failed")
         join_key = rdzv.key(round_, "join")
@@ -262,7 +262,7 @@ class Agent:
                 return "shutdown", _failure_of(rdzv, failed_key)
             if rdzv.store.check([join_key]) and membership.num_nodes < self.config.max_nodes and not int(rdzv.store.add(rdzv.key(round_, "done"), 0)):
                 return "join", None  # (not into a full round, nor once a node's workers finished: that job is ending)
-            if hosting and self._watch.due():
+            if hosting and self._watch is not None and self._watch.due():
                 self._watch.silent()
             self._reap()
             time.sleep(self.config.monitor_interval)
@@ -280,8 +280,8 @@ class Agent:
         done_key, failed_key = rdzv.key(round_, "done"), rdzv.key(round_, "failed")
         rdzv.set(round_, f"done{me}", "1")  # (before the counter: a node counted done is known by name)
         rdzv.store.add(done_key, 1)
-        others, watch = [n for n in range(num_nodes) if n != me], self._watch
-        assert watch is not None
+        others = [n for n in range(num_nodes) if n != me]
+        watch = self._watch or Watch(rdzv.store, round_, others)
         deadline = time.monotonic() + self.config.rdzv_timeout
         while True:
             moved = rdzv.current_round() > round_  # read before `failed`: a failing agent sets it before moving the round
@@ -321,8 +321,8 @@ class Agent:
             except Exception:  # noqa: BLE001 - the host stopped waiting for this agent: nothing left to tell it
                 pass
             return
-        others, watch = [n for n in range(membership.num_nodes) if n != me], self._watch
-        assert watch is not None
+        others = [n for n in range(membership.num_nodes) if n != me]
+        watch = self._watch or Watch(rdzv.store, round_, others)
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:  # every other agent's last look at the store comes first
             pending = [n for n in others if not rdzv.flag(round_, f"left{n}")]

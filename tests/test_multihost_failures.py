@@ -8,7 +8,10 @@ link is in test_multihost.py. Each job runs examples/train.py, one rank per node
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -142,11 +145,23 @@ def test_with_a_spare_place_the_job_restarts_on_the_node_left_and_resumes_its_ch
         out1.agent.kill()
     err = out1.text("err")
     assert "restarting the group (1/1)" in err, err[-3000:]
-    after = [(int(s), float(loss)) for s, loss in STEP.findall(out1.text("out"))]
-    first_step, first_loss = after[0]
-    newest = max(int(name.removeprefix("step-")) for name in saved)
-    assert newest <= first_step <= max(before) + 1, (saved, after[:3], max(before))  # from a checkpoint, not from 0
-    untrained, trained = before[0], before[max(before)]
-    assert abs(first_loss - trained) < abs(first_loss - untrained), (first_loss, trained, untrained)
+    after = [(int(s), loss) for s, loss in STEP.findall(out1.text("out"))]
+    resumed = re.search(r"resumed from (\S+) at step (\d+)", out1.text("out"))
+    assert resumed is not None, out1.text()[-3000:]
+    first_step = int(resumed.group(2))
+    assert first_step >= 5 and after[0][0] == first_step and first_step <= max(before) + 1, (saved, after[:3], max(before))
+    # The same checkpoint resumed by a fresh one-rank job on one host gives the same losses: the state carried over.
+    alone = tmp_path / "alone"
+    shutil.copytree(resumed.group(1), alone / Path(resumed.group(1)).name)
+    reference = Output(subprocess.Popen([*SPMD, "run", "--nproc-per-node", "1", str(EXAMPLES / "train.py"), "--steps", "100000",
+                                         *TRAIN, "--checkpoint-dir", str(alone), "--resume"],  # (the lr schedule spans --steps)
+                                        env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                                        start_new_session=True)).follow()
+    try:
+        reference.reached(first_step + 2)
+    finally:
+        os.killpg(reference.agent.pid, signal.SIGTERM)
+        reference.agent.wait(30)
+    expected = [(int(s), loss) for s, loss in STEP.findall(reference.text("out"))][:3]
+    assert expected and after[:len(expected)] == expected, (after[:4], expected)
     print(f"node 1 trained again alone {resumed_at:.1f} s after node 0 died, from step {first_step}")
-    shutil.rmtree(checkpoints, ignore_errors=True)

@@ -5,12 +5,15 @@ RNG to ``DIR/step-NNNNNN`` with ``spmd.checkpoint.async_save`` (training goes
 on while it writes); ``--resume`` loads the latest committed one and
 continues from its step. The data RNG is a (world, n) tensor sharded by rank,
 so a resume on the same world size draws the batches the uninterrupted run
-would have drawn.
+would have drawn; a resume on another world size (a job restarted on the
+nodes that are left) loads model, optimizer and step, and each rank keeps
+its own freshly seeded data RNG.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from typing import Any
@@ -50,11 +53,18 @@ def resume(args: argparse.Namespace, model: torch.nn.Module, optimizer: torch.op
     if path is None:
         return 0
     state = _state(model, optimizer, generator, 0)
+    with open(os.path.join(path, "metadata.json")) as f:
+        saved_world = json.load(f)["tensors"]["data_rng"]["shape"][0]
+    same_world = saved_world == spmd.get_world_size()
+    if not same_world:  # one RNG state per rank of the saving job: no row is this rank's
+        del state["data_rng"]
     dcp.load(state, checkpoint_id=path)
     dcp.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    generator.set_state(state["data_rng"].to_local()[0].contiguous())
+    if same_world:
+        generator.set_state(state["data_rng"].to_local()[0].contiguous())
     if spmd.get_rank() == 0:
-        print(f"resumed from {path} at step {state['step']}", flush=True)
+        note = "" if same_world else f" (saved by {saved_world} ranks: each rank's data RNG starts afresh)"
+        print(f"resumed from {path} at step {state['step']}{note}", flush=True)
     return int(state["step"])
 
 

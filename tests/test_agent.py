@@ -257,7 +257,7 @@ def test_a_node_whose_workers_succeeded_follows_the_job_into_a_new_round_and_ign
     assert agent._monitor(rdzv, _membership(num_nodes=2)) == ("shutdown", None)  # not "join"
 
     rdzv.advance_from(0)  # the other agent had taken the join before node 1 finished
-    assert agent._await_job(rdzv, 0, 2, hosting=False) == ("join", None)
+    assert agent._await_job(rdzv, _membership(num_nodes=2), hosting=False) == ("join", None)
 
 
 def _hosted_store():
@@ -296,7 +296,7 @@ def test_losing_the_store_stops_the_workers_gracefully_and_says_so(monkeypatch, 
     thread, errors = _other_node(_client(endpoint), node0)
     code, err = _run_beside(agent, thread, errors, capfd)
     assert code == 1, err
-    assert f"spmd run: lost the rendezvous store at {endpoint}: the agent hosting it exited or died" in err
+    assert f"spmd run: lost the rendezvous store at {endpoint}" in err and "the agent hosting it exited or died" in err
     assert "Traceback" not in err
     assert FakeGroup.made[0].stopped == [signal.SIGTERM]
 

@@ -8,7 +8,11 @@ up, then the agent exits with the failing worker's code and a summary. A
 newcomer (elastic MIN:MAX) asks for a new round, which restarts the workers
 with the new world size without using up a restart. SIGINT/SIGTERM reach
 every worker, and every agent of the job. An agent that loses the store (the
-agent hosting it died) says so, stops its workers gracefully and exits 1.
+agent hosting it died) says so, naming that node, stops its workers
+gracefully and exits 1. Each agent beats in the round's keys from a thread
+(liveness.py): an agent waiting on another node's outcome or departure stops
+waiting once that node's beats stand still for ``SILENT_S`` seconds, and
+names the node as gone.
 
 Under ``spmd run`` nothing the agent started outlives it (containment.py): at
 every exit it stops what its workers left running and removes its temp
@@ -43,6 +47,7 @@ from spmd.comm.tcp_store import job_scope
 from spmd.errors import SpmdError
 from spmd.launch.args import RunConfig
 from spmd.launch.containment import Containment
+from spmd.launch.liveness import SILENT_S, Heartbeat, Watch
 from spmd.launch.logs import make_log_root, temporary_logs
 from spmd.launch.rdzv_backends import RendezvousBackend, open_backend
 from spmd.launch.rendezvous import Membership, Rendezvous
@@ -80,6 +85,9 @@ class Agent:
         self.restarts = 0
         self._backend: RendezvousBackend | None = None
         self._left_last = False  # this agent saw every other agent leave: the job's rendezvous keys may go
+        self._heartbeat: Heartbeat | None = None
+        self._membership: Membership | None = None
+        self._watch: Watch | None = None  # the other nodes' beats in this round
 
     # -- setup ---------------------------------------------------------------------------
     def _rendezvous(self) -> tuple[Rendezvous, bool, str]:
@@ -121,13 +129,21 @@ class Agent:
                 what = "the agent hosting it exited or died"
             else:
                 what = (str(error).splitlines() or [type(error).__name__])[0]
-            _say(f"lost the rendezvous store at {getattr(self, '_endpoint', '?')}: {what}")
+            _say(f"lost the rendezvous store at {getattr(self, '_endpoint', '?')}{self._store_host()}: {what}; "
+                 "stopping this node's workers")
             self._stop_group()
             return 1
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self._clean_up()
+
+    def _store_host(self) -> str:
+        """Which node of the job the lost store ran on, if it ran on one (the agents' store runs in one of them)."""
+        m, host = self._membership, getattr(self, "_endpoint", "").rpartition(":")[0]
+        if m is None or host not in m.hosts:
+            return ""
+        return f" (on node {m.hosts.index(host)})"
 
     def _stop_group(self, signum: int = signal.SIGTERM) -> None:
         """Stop this round's workers (their process groups), then whatever else they left running."""
@@ -140,6 +156,8 @@ class Agent:
 
     def _clean_up(self) -> None:
         """At every exit: no worker, nor anything a worker started, runs on; the temp directories go."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         if self.group is not None and self.group.workers_left():
             self.group.stop()  # (an exception no branch above expected)
         if self._containment is not None:
@@ -179,6 +197,11 @@ class Agent:
             if c.master_addr:  # --master-addr names node 0 as torchrun's static rendezvous does
                 membership = replace(membership, master_addr=c.master_addr)
             round_ = membership.round
+            self._membership = membership
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+            self._heartbeat = Heartbeat(rdzv.store, round_, membership.node_rank).start()
+            self._watch = Watch(rdzv.store, round_, [n for n in range(membership.num_nodes) if n != membership.node_rank])
             if membership.node_rank == 0:
                 _say(
                     f"round {round_}: {membership.num_nodes} node(s), world size {membership.world_size}, "
@@ -188,10 +211,10 @@ class Agent:
             self.group.start()
             if self._containment is not None:
                 self._containment.register(self.group.processes())
-            outcome, failure = self._monitor(rdzv, membership)
+            outcome, failure = self._monitor(rdzv, membership, hosting)
             if outcome == "done":
                 self.group.drain()  # every line the workers wrote reaches the console and the log files
-                outcome, failure = self._await_job(rdzv, round_, membership.num_nodes, hosting)
+                outcome, failure = self._await_job(rdzv, membership, hosting)
                 if outcome == "done":
                     return 0
             # (the reason is read before the grace period: the agent that sent it may take the store down meanwhile)
@@ -211,14 +234,16 @@ class Agent:
                     self._publish_shutdown(f"job failed: rank {failure.rank} {failure.how}")
                 # The others read the failure within a monitor step and stop their workers (up to
                 # --stop-grace): the store they read it from stays until then, or they would report a lost store.
-                self._leave(rdzv, round_, membership.num_nodes, hosting, c.stop_grace + 5.0)
+                self._leave(rdzv, membership, hosting, c.stop_grace + 5.0)
                 return failure.exit_code if failure.exit_code else 1
             self.restarts += 1
             _say(f"{failure.summary().splitlines()[0]}; restarting the group ({self.restarts}/{c.max_restarts})")
             rdzv.advance_from(round_)
 
-    def _monitor(self, rdzv: Rendezvous, membership: Membership) -> tuple[str, Failure | None]:
-        """Watch this node's workers and the round's keys until one says how the round goes on."""
+    def _monitor(self, rdzv: Rendezvous, membership: Membership, hosting: bool = False) -> tuple[str, Failure | None]:
+        """Watch this node's workers and the round's keys until one says how the round goes on. The agent
+        hosting the store also follows the other nodes' beats: when it has to wait for them, it knows already
+        which went silent."""
         assert self.group is not None
         round_ = membership.round
         failed_key = rdzv.key(round_, "failed")
@@ -237,19 +262,26 @@ class Agent:
                 return "shutdown", _failure_of(rdzv, failed_key)
             if rdzv.store.check([join_key]) and membership.num_nodes < self.config.max_nodes and not int(rdzv.store.add(rdzv.key(round_, "done"), 0)):
                 return "join", None  # (not into a full round, nor once a node's workers finished: that job is ending)
+            if hosting and self._watch is not None and self._watch.due():
+                self._watch.silent()
             self._reap()
             time.sleep(self.config.monitor_interval)
 
-    def _await_job(self, rdzv: Rendezvous, round_: int, num_nodes: int, hosting: bool) -> tuple[str, Failure | None]:
+    def _await_job(self, rdzv: Rendezvous, membership: Membership, hosting: bool) -> tuple[str, Failure | None]:
         """This node's workers all exited 0: wait (at most --rdzv-timeout) for the round's outcome on every node.
 
         Returns ("done", None) when every node's workers succeeded, ("failed", failure) when a worker
-        elsewhere failed (this agent then takes part in the restart or reports it), ("join", None) when the
+        elsewhere failed or a node that had not finished went silent (this agent then takes part in the
+        restart or reports it), ("join", None) when the
         other agents moved to a new round for a newcomer, or ("shutdown", the round's failure if one was
         set). The agent hosting the store leaves last: it waits for every other agent to have seen the outcome.
         """
+        round_, num_nodes, me = membership.round, membership.num_nodes, membership.node_rank
         done_key, failed_key = rdzv.key(round_, "done"), rdzv.key(round_, "failed")
+        rdzv.set(round_, f"done{me}", "1")  # (before the counter: a node counted done is known by name)
         rdzv.store.add(done_key, 1)
+        others = [n for n in range(num_nodes) if n != me]
+        watch = self._watch or Watch(rdzv.store, round_, others)
         deadline = time.monotonic() + self.config.rdzv_timeout
         while True:
             moved = rdzv.current_round() > round_  # read before `failed`: a failing agent sets it before moving the round
@@ -263,6 +295,9 @@ class Agent:
                 break
             if rdzv.store.check(["shutdown"]):
                 return "shutdown", _failure_of(rdzv, failed_key)
+            gone = watch.due() and watch.silent([n for n in others if not rdzv.flag(round_, f"done{n}")])
+            if gone:
+                return "failed", _lost(membership, gone[0])
             if time.monotonic() > deadline:
                 _say(f"this node's workers finished, but {num_nodes - finished} of {num_nodes} nodes were still running after "
                      f"{self.config.rdzv_timeout:.0f} s (--rdzv-timeout); exiting 0 without the job's outcome"
@@ -270,29 +305,48 @@ class Agent:
                 return "done", None
             self._reap()
             time.sleep(self.config.monitor_interval)
-        self._leave(rdzv, round_, num_nodes, hosting, self.config.rdzv_timeout)
+        self._leave(rdzv, membership, hosting, self.config.rdzv_timeout)
         return "done", None
 
-    def _leave(self, rdzv: Rendezvous, round_: int, num_nodes: int, hosting: bool, limit: float) -> None:
+    def _leave(self, rdzv: Rendezvous, membership: Membership, hosting: bool, limit: float) -> None:
         """This agent has read the round's outcome and exits: say so; the agent hosting the store
-        waits (at most ``limit`` seconds) until every other agent has said so, then takes it down."""
+        waits (at most ``limit`` seconds) until every other agent has said so or gone silent (named
+        then), and takes it down."""
+        round_, me = membership.round, membership.node_rank
         left_key = rdzv.key(round_, "left")
         if not hosting:
             try:
+                rdzv.set(round_, f"left{me}", "1")
                 rdzv.store.add(left_key, 1)  # the host may take the store down now
             except Exception:  # noqa: BLE001 - the host stopped waiting for this agent: nothing left to tell it
                 pass
             return
+        others = [n for n in range(membership.num_nodes) if n != me]
+        watch = self._watch or Watch(rdzv.store, round_, others)
         deadline = time.monotonic() + limit
-        while int(rdzv.store.add(left_key, 0)) < num_nodes - 1 and time.monotonic() < deadline:
-            time.sleep(self.config.monitor_interval)  # every other agent's last look at the store comes first
-        self._left_last = int(rdzv.store.add(left_key, 0)) >= num_nodes - 1
+        while time.monotonic() < deadline:  # every other agent's last look at the store comes first
+            pending = [n for n in others if not rdzv.flag(round_, f"left{n}")]
+            if not pending:
+                break
+            gone = watch.silent(pending) if watch.due() else []
+            if len(gone) == len(pending):
+                for node in gone:
+                    _say(_lost(membership, node).summary())
+                break
+            time.sleep(self.config.monitor_interval)
+        self._left_last = int(rdzv.store.add(left_key, 0)) >= len(others)
 
 
 def _failure_of(rdzv: Rendezvous, failed_key: str) -> Failure | None:
     """The round's failure, if one was set: an agent sets it before it asks the job to stop, and an agent
     that saw the stop between its own looks at the two keys still reports the failure, not a bare stop."""
     return Failure.from_json(rdzv.store.get(failed_key).decode()) if rdzv.store.check([failed_key]) else None
+
+
+def _lost(membership: Membership, node: int) -> Failure:
+    """The failure of a node whose agent went silent, with the ranks it held."""
+    first = sum(membership.nprocs[:node])
+    return Failure.node_lost(node, membership.hosts[node], range(first, first + membership.nprocs[node]), SILENT_S)
 
 
 def run(config: RunConfig) -> int:

@@ -67,6 +67,8 @@ class Failure:
     returncode: int
     detail: str
     on_console: bool = False  # its stderr went to its node's terminal as it was written
+    #: Not one worker: the whole node went silent (``node_lost``); ``rank`` is its first rank.
+    node_gone: bool = False
 
     @property
     def how(self) -> str:
@@ -82,8 +84,16 @@ class Failure:
         """The agent's own exit code for this failure (shell convention for signals)."""
         return 128 - self.returncode if self.returncode < 0 else self.returncode
 
+    @classmethod
+    def node_lost(cls, node_rank: int, host: str, ranks: range, silent_s: float) -> Failure:
+        """Node ``node_rank``'s agent stopped beating for ``silent_s`` seconds: the node and its ranks are gone."""
+        return cls(ranks.start, 0, node_rank, host, 1, f"its agent stopped beating for {silent_s:.0f} s (killed, its machine down, "
+                   f"or its link cut): ranks {ranks.start}..{ranks.stop - 1} are lost with it", node_gone=True)
+
     def summary(self, node_rank: int | None = None) -> str:
         """Who failed and how; its last output too unless ``node_rank``'s terminal showed it already."""
+        if self.node_gone:
+            return f"node {self.node_rank} ({self.host}) is gone: {self.detail}"
         lines = [f"rank {self.rank} (local rank {self.local_rank}) on node {self.node_rank} ({self.host}) {self.how}"]
         if not self.detail.strip():
             lines.append("  (no traceback in its output)")

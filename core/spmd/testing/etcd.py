@@ -34,12 +34,13 @@ def find_etcd() -> str | None:
 
 
 class EtcdServer:
-    """One etcd member on 127.0.0.1; ``endpoint`` is its client ``host:port``. Use as a context manager."""
+    """One etcd member serving clients on ``host`` (127.0.0.1, or an address of the multi-host test bed's
+    ``attach_here``); ``endpoint`` is its client ``host:port``. Use as a context manager."""
 
-    def __init__(self, binary: str, start_timeout: float = 20.0) -> None:
+    def __init__(self, binary: str, start_timeout: float = 20.0, host: str = "127.0.0.1") -> None:
         self.binary, self.start_timeout = binary, start_timeout
         self.port = free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
+        self.endpoint = f"{host}:{self.port}"
         self.data_dir = Path(tempfile.mkdtemp(prefix="spmd-etcd-"))
         self.proc: subprocess.Popen | None = None
 

@@ -14,6 +14,7 @@ many containers, where "this host's address" is loopback.
         p = node0.popen(["python", "-m", "spmd", "run", ...])
         hosts.impair(node1, delay_ms=1, loss_pct=0.1)    # netem on node1's link
         hosts.cut(node1); hosts.restore(node1)           # pull and replug its cable
+        hosts.kill(node1)                                 # pull its power: every process on it SIGKILLed
 
 Needs root, ``ip`` (iproute2) and ``unshare``/``mount`` (util-linux); ``impair``
 also needs the kernel's netem qdisc. What is missing raises ``TestBedUnavailable``
@@ -173,6 +174,15 @@ class Hosts:
         """Remove what ``impair`` added on ``node``'s link."""
         subprocess.run([_tool("ip"), "netns", "exec", node.netns, _tool("tc"), "qdisc", "del", "dev", node.interface, "root"],
                        capture_output=True, timeout=10)
+
+    def kill(self, node: Node) -> None:
+        """Pull ``node``'s power: SIGKILL every process in its network namespace at once (agents, workers, all)."""
+        listed = subprocess.run([_tool("ip"), "netns", "pids", node.netns], capture_output=True, text=True, timeout=10).stdout
+        for pid in listed.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def cut(self, node: Node) -> None:
         """Pull ``node``'s cable: its switch port goes down, its packets go nowhere (no reset is sent)."""

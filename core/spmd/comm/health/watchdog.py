@@ -45,7 +45,7 @@ def _interval() -> float:
     return float(os.environ.get("SPMD_WATCHDOG_INTERVAL", "1.0"))
 
 
-def _own_client(store: tdist.Store) -> tdist.Store:
+def own_client(store: tdist.Store) -> tdist.Store:
     """A second connection to the job's store, so the watchdog never queues behind the main thread.
 
     ``clone()`` opens a new connection for a TCPStore, and keeps the prefix of
@@ -76,7 +76,7 @@ class Watchdog:
         #: Set (to the error's first line) once the store stopped answering: its host died or exited.
         self.store_lost: str | None = None
         self.interval = interval if interval is not None else _interval()
-        self.client = _own_client(store)
+        self.client = own_client(store)
         self.lock = threading.Lock()  # one user of the client at a time: the thread or a diagnosis
         self.adopting = threading.RLock()  # one adopt_unusable at a time (re-entered from a failing callback)
         self.seen_requests = 0
@@ -112,11 +112,13 @@ class Watchdog:
         self.stop()
         if not recorder.keep_history or self.store_lost is not None:
             return None
-        groups = [g for g in self._groups() if g.size > 1 and g.unusable is None]
+        shared = [g for g in self._groups() if g.size > 1]
+        groups = [g for g in shared if g.unusable is None]
         deadline = time.monotonic() + limit_s
         try:
             found = self._compare_rest(groups, deadline)
-            self._leave_together(deadline)
+            if len(groups) == len(shared):  # a job whose op failed does not leave together: its dead peer never would
+                self._leave_together(deadline)
         except Exception:  # noqa: BLE001 - the store is gone (a peer that hosted it exited): nothing to compare
             return None
         return found

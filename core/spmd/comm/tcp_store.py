@@ -59,3 +59,21 @@ def host_tcp_store(host: str, port: int, world_size: int | None, timeout: timede
         except OSError:  # the store had taken the socket over and closed it already
             pass
         raise
+
+
+def own_client(store: tdist.Store) -> tdist.Store:
+    """A second connection to the job's store, so a background thread (the watchdog, the launcher's liveness
+    beats) never queues behind the main thread.
+
+    ``clone()`` opens a new connection for a TCPStore, and keeps the prefix of
+    a PrefixStore over one; stores that cannot clone (in-process) are shared.
+    """
+    clone = getattr(store, "clone", None)  # (torch's type stubs do not list it)
+    if clone is not None and isinstance(store, (tdist.TCPStore, tdist.PrefixStore)):
+        try:
+            client: tdist.Store = clone()
+        except Exception:  # noqa: BLE001 - a store without clone support is shared instead
+            return store
+        client.set_timeout(timedelta(seconds=10))
+        return client
+    return store

@@ -14,7 +14,7 @@ import time
 
 import torch.distributed as tdist
 
-from spmd.debug.watchdog import own_client
+from spmd.comm.tcp_store import own_client
 
 #: Seconds between two beats of one agent.
 BEAT_S = 0.25

@@ -18,7 +18,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch.distributed as tdist
 
 from spmd.comm.health.history import CLOCK, HistoryCheck
 from spmd.comm.health.p2p_check import P2PCheck
+from spmd.comm.tcp_store import own_client
 from spmd.debug.dump import dump, trace_dir
 from spmd.debug.recorder import Entry, recorder
 from spmd.debug.signatures import comparable_signature
@@ -43,23 +43,6 @@ DEADLINE_STEP = 0.2
 
 def _interval() -> float:
     return float(os.environ.get("SPMD_WATCHDOG_INTERVAL", "1.0"))
-
-
-def own_client(store: tdist.Store) -> tdist.Store:
-    """A second connection to the job's store, so the watchdog never queues behind the main thread.
-
-    ``clone()`` opens a new connection for a TCPStore, and keeps the prefix of
-    a PrefixStore over one; stores that cannot clone (in-process) are shared.
-    """
-    clone = getattr(store, "clone", None)  # (torch's type stubs do not list it)
-    if clone is not None and isinstance(store, (tdist.TCPStore, tdist.PrefixStore)):
-        try:
-            client: tdist.Store = clone()
-        except Exception:  # noqa: BLE001 - a store without clone support is shared instead
-            return store
-        client.set_timeout(timedelta(seconds=10))
-        return client
-    return store
 
 
 class Watchdog:

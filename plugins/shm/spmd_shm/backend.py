@@ -11,6 +11,7 @@ from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.reduce_op import ReduceOp
 from spmd_shm import collectives
 from spmd_shm.engine import Engine
+from spmd_shm.p2p import Recv
 from spmd_shm.segment import Layout, check_same_host, open_segment
 from spmd_shm.work import ShmWork
 
@@ -43,20 +44,18 @@ class ShmBackend(Backend):
     def _collective(self, steps_fn, *args) -> ShmWork:  # type: ignore[no-untyped-def]
         eng = self.engine
         work = eng.new_work()
-        return eng.submit("coll", work, steps_fn(eng, work, *args))
+        return eng.submit("coll", work, steps_fn(eng.rounds, work, *args))
 
     # -- point-to-point -----------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> ShmWork:
         eng = self.engine
         work = eng.new_work()
-        return eng.submit("send", work, (dst, eng.send_steps(work, _bytes(tensor), dst, tag)))
+        return eng.submit("send", work, (dst, eng.rings.send_steps(work, _bytes(tensor), dst, tag)))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> ShmWork:
-        from spmd_shm.engine import _Recv
-
         eng = self.engine
         work = eng.new_work()
-        return eng.submit("recv", work, _Recv(work, _bytes(tensor), src, tag))
+        return eng.submit("recv", work, Recv(work, _bytes(tensor), src, tag))
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> ShmWork:

@@ -1,6 +1,6 @@
 """The shm collectives, as generators the engine steps: chunk by chunk through the rank slots.
 
-Each chunk is one round (see ``spmd_shm.engine``): the writers copy into their slot, everyone
+Each chunk is one round (see ``spmd_shm.rounds``): the writers copy into their slot, everyone
 publishes, the readers copy or reduce out of the slots they need, everyone acks. Reductions read
 the slots in rank order on every rank, so all ranks get bit-identical results. Large tensors go
 through the slots one slot-sized chunk after another; with two slots per rank the copy-in of
@@ -13,7 +13,8 @@ import torch
 
 from spmd.comm.reduce_op import ReduceOp, finish_avg, reduce_into
 from spmd.errors import CollectiveError
-from spmd_shm.engine import Engine, Steps
+from spmd_shm.peers import Steps
+from spmd_shm.rounds import Rounds
 from spmd_shm.work import ShmWork
 
 #: Codes that identify the op in a slot's signature (with the op's total byte count).
@@ -21,12 +22,12 @@ _CODES = {"all_reduce": 1, "reduce": 2, "broadcast": 3, "all_gather_into_tensor"
           "reduce_scatter_tensor": 6, "scatter": 7, "barrier": 8}
 
 
-def _sign(eng: Engine, r: int, op: str, total: int) -> None:
+def _sign(eng: Rounds, r: int, op: str, total: int) -> None:
     """Record which op (and how many bytes in all) this rank's round-``r`` slot belongs to."""
     eng.slot_sig[eng.me][r & 1].value = (_CODES[op] << 56) | total
 
 
-def _write(eng: Engine, r: int, parts: list[torch.Tensor]) -> None:
+def _write(eng: Rounds, r: int, parts: list[torch.Tensor]) -> None:
     """Copy ``parts`` (of one dtype) back to back into this rank's slot for round ``r``; record the byte count."""
     offset = 0
     for part in parts:
@@ -37,12 +38,12 @@ def _write(eng: Engine, r: int, parts: list[torch.Tensor]) -> None:
     eng.slot_size[eng.me][r & 1].value = offset * parts[0].element_size() if parts else 0
 
 
-def _read(eng: Engine, q: int, r: int, dtype: torch.dtype, start: int, count: int) -> torch.Tensor:
+def _read(eng: Rounds, q: int, r: int, dtype: torch.dtype, start: int, count: int) -> torch.Tensor:
     """Elements ``start:start+count`` (of ``dtype``) of rank ``q``'s slot for round ``r``."""
     return eng.view(q, r, dtype, start, count)
 
 
-def _check_sizes(eng: Engine, r: int, ranks: list[int], nbytes: int, op: str, total: int) -> None:
+def _check_sizes(eng: Rounds, r: int, ranks: list[int], nbytes: int, op: str, total: int) -> None:
     """Raise a named error if a peer's slot holds another op, or another size, than this rank's."""
     mine = (_CODES[op] << 56) | total
     for q in ranks:
@@ -50,24 +51,24 @@ def _check_sizes(eng: Engine, r: int, ranks: list[int], nbytes: int, op: str, to
         if sig != mine:
             names = {code: name for name, code in _CODES.items()}
             raise CollectiveError(
-                f"shm: this rank called {op} on {total} bytes but {eng.global_names([q])} called "
+                f"shm: this rank called {op} on {total} bytes but {eng.names([q])} called "
                 f"{names.get(sig >> 56, 'another op')} on {sig & ((1 << 56) - 1)} bytes at the same point; every rank of "
                 "the group must make the same collective calls, in the same order, with tensors of the same shape and dtype"
             )
         theirs = eng.slot_size[q][r & 1].value
         if theirs != nbytes:
             raise CollectiveError(
-                f"shm: {op}: {eng.global_names([q])} passed {theirs} bytes for this chunk, this rank {nbytes}; every rank "
+                f"shm: {op}: {eng.names([q])} passed {theirs} bytes for this chunk, this rank {nbytes}; every rank "
                 "must call the collective with tensors of the same shape and dtype"
             )
 
 
-def _chunk(eng: Engine, element_size: int, blocks: int = 1) -> int:
+def _chunk(eng: Rounds, element_size: int, blocks: int = 1) -> int:
     """Elements per block per round, so that ``blocks`` blocks fill at most one slot."""
     return max(1, eng.lay.slot_bytes // (element_size * blocks))
 
 
-def all_reduce(eng: Engine, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> Steps:
+def all_reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> Steps:
     total = flat.numel() * flat.element_size()
     everyone, per = list(range(eng.n)), _chunk(eng, flat.element_size())
     for start in range(0, flat.numel(), per):
@@ -85,7 +86,7 @@ def all_reduce(eng: Engine, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> 
     finish_avg(flat, op, eng.n)
 
 
-def reduce(eng: Engine, work: ShmWork, flat: torch.Tensor, dst: int, op: ReduceOp) -> Steps:
+def reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, dst: int, op: ReduceOp) -> Steps:
     total = flat.numel() * flat.element_size()
     per = _chunk(eng, flat.element_size())
     scratch = torch.empty(min(per, flat.numel()), dtype=flat.dtype) if eng.me == dst else None
@@ -109,7 +110,7 @@ def reduce(eng: Engine, work: ShmWork, flat: torch.Tensor, dst: int, op: ReduceO
         finish_avg(flat, op, eng.n)
 
 
-def broadcast(eng: Engine, work: ShmWork, flat: torch.Tensor, src: int) -> Steps:
+def broadcast(eng: Rounds, work: ShmWork, flat: torch.Tensor, src: int) -> Steps:
     total = flat.numel() * flat.element_size()
     per = _chunk(eng, flat.element_size())
     for start in range(0, flat.numel(), per):
@@ -126,15 +127,15 @@ def broadcast(eng: Engine, work: ShmWork, flat: torch.Tensor, src: int) -> Steps
         eng.finish_round(r)
 
 
-def all_gather(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor) -> Steps:
+def all_gather(eng: Rounds, work: ShmWork, out: torch.Tensor, inp: torch.Tensor) -> Steps:
     yield from _gather_into(eng, work, out, inp, "all_gather_into_tensor", None)
 
 
-def gather(eng: Engine, work: ShmWork, out: torch.Tensor | None, inp: torch.Tensor, dst: int) -> Steps:
+def gather(eng: Rounds, work: ShmWork, out: torch.Tensor | None, inp: torch.Tensor, dst: int) -> Steps:
     yield from _gather_into(eng, work, out, inp, "gather", dst)
 
 
-def _gather_into(eng: Engine, work: ShmWork, out: torch.Tensor | None, inp: torch.Tensor, name: str, dst: int | None) -> Steps:
+def _gather_into(eng: Rounds, work: ShmWork, out: torch.Tensor | None, inp: torch.Tensor, name: str, dst: int | None) -> Steps:
     """Every rank's ``inp`` into ``out`` in rank order, chunk by chunk: on every rank, or on ``dst`` only."""
     total = inp.numel() * inp.element_size()
     m, per = inp.numel(), _chunk(eng, inp.element_size())
@@ -154,7 +155,7 @@ def _gather_into(eng: Engine, work: ShmWork, out: torch.Tensor | None, inp: torc
         eng.finish_round(r)
 
 
-def reduce_scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Steps:
+def reduce_scatter(eng: Rounds, work: ShmWork, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Steps:
     total = out.numel() * out.element_size()
     n, m = eng.n, out.numel()
     per = _chunk(eng, out.element_size(), n)
@@ -174,7 +175,7 @@ def reduce_scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Ten
     finish_avg(out, op, n)
 
 
-def scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor | None, src: int) -> Steps:
+def scatter(eng: Rounds, work: ShmWork, out: torch.Tensor, inp: torch.Tensor | None, src: int) -> Steps:
     total = out.numel() * out.element_size()
     n, m = eng.n, out.numel()
     per = _chunk(eng, out.element_size(), n)
@@ -193,7 +194,7 @@ def scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor | N
         eng.finish_round(r)
 
 
-def barrier(eng: Engine, work: ShmWork) -> Steps:
+def barrier(eng: Rounds, work: ShmWork) -> Steps:
     r = yield from eng.begin_round(work, "barrier")
     eng.slot_size[eng.me][r & 1].value = 0
     _sign(eng, r, "barrier", 0)

@@ -19,12 +19,28 @@ from spmd_shm.work import ShmWork
 
 #: Codes that identify the op in a slot's signature (with the op's total byte count).
 _CODES = {"all_reduce": 1, "reduce": 2, "broadcast": 3, "all_gather_into_tensor": 4, "gather": 5,
-          "reduce_scatter_tensor": 6, "scatter": 7, "barrier": 8}
+          "reduce_scatter_tensor": 6, "scatter": 7, "barrier": 8, "all_to_all_single": 9}
+_SIZE_BITS = (1 << 56) - 1
 
 
-def _sign(eng: Rounds, r: int, op: str, total: int) -> None:
+def sign(eng: Rounds, r: int, op: str, total: int) -> None:
     """Record which op (and how many bytes in all) this rank's round-``r`` slot belongs to."""
     eng.slot_sig[eng.me][r & 1].value = (_CODES[op] << 56) | total
+
+
+def check_op(eng: Rounds, r: int, ranks: list[int], op: str, total: int, same_total: bool = True) -> None:
+    """Raise a named error if a peer's round-``r`` slot belongs to another op (or, with ``same_total``, to
+    the same op on another byte count) than this rank's."""
+    mine = (_CODES[op] << 56) | total
+    for q in ranks:
+        sig = eng.slot_sig[q][r & 1].value
+        if sig != mine and (same_total or sig >> 56 != _CODES[op]):
+            names = {code: name for name, code in _CODES.items()}
+            raise CollectiveError(
+                f"shm: this rank called {op} on {total} bytes but {eng.names([q])} called "
+                f"{names.get(sig >> 56, 'another op')} on {sig & _SIZE_BITS} bytes at the same point; every rank of "
+                "the group must make the same collective calls, in the same order, with tensors of the same shape and dtype"
+            )
 
 
 def _write(eng: Rounds, r: int, parts: list[torch.Tensor]) -> None:
@@ -45,16 +61,8 @@ def _read(eng: Rounds, q: int, r: int, dtype: torch.dtype, start: int, count: in
 
 def _check_sizes(eng: Rounds, r: int, ranks: list[int], nbytes: int, op: str, total: int) -> None:
     """Raise a named error if a peer's slot holds another op, or another size, than this rank's."""
-    mine = (_CODES[op] << 56) | total
+    check_op(eng, r, ranks, op, total)
     for q in ranks:
-        sig = eng.slot_sig[q][r & 1].value
-        if sig != mine:
-            names = {code: name for name, code in _CODES.items()}
-            raise CollectiveError(
-                f"shm: this rank called {op} on {total} bytes but {eng.names([q])} called "
-                f"{names.get(sig >> 56, 'another op')} on {sig & ((1 << 56) - 1)} bytes at the same point; every rank of "
-                "the group must make the same collective calls, in the same order, with tensors of the same shape and dtype"
-            )
         theirs = eng.slot_size[q][r & 1].value
         if theirs != nbytes:
             raise CollectiveError(
@@ -75,7 +83,7 @@ def all_reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> 
         piece = flat if per >= flat.numel() else flat[start : start + per]
         r = yield from eng.begin_round(work, "all_reduce")
         _write(eng, r, [piece])
-        _sign(eng, r, "all_reduce", total)
+        sign(eng, r, "all_reduce", total)
         eng.publish(r)
         yield from eng.await_arrival(work, r, eng.others, "all_reduce")
         _check_sizes(eng, r, eng.others, piece.numel() * piece.element_size(), "all_reduce", total)
@@ -94,7 +102,7 @@ def reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, dst: int, op: ReduceO
         piece = flat[start : start + per]
         r = yield from eng.begin_round(work, "reduce")
         _write(eng, r, [piece])
-        _sign(eng, r, "reduce", total)
+        sign(eng, r, "reduce", total)
         eng.publish(r)
         if eng.me == dst:
             assert scratch is not None
@@ -118,7 +126,7 @@ def broadcast(eng: Rounds, work: ShmWork, flat: torch.Tensor, src: int) -> Steps
         r = yield from eng.begin_round(work, "broadcast")
         if eng.me == src:
             _write(eng, r, [piece])
-            _sign(eng, r, "broadcast", total)
+            sign(eng, r, "broadcast", total)
         eng.publish(r)
         if eng.me != src:
             yield from eng.await_arrival(work, r, [src], "broadcast")
@@ -144,7 +152,7 @@ def _gather_into(eng: Rounds, work: ShmWork, out: torch.Tensor | None, inp: torc
         k = piece.numel()
         r = yield from eng.begin_round(work, name)
         _write(eng, r, [piece])
-        _sign(eng, r, name, total)
+        sign(eng, r, name, total)
         eng.publish(r)
         if dst is None or eng.me == dst:
             assert out is not None
@@ -163,7 +171,7 @@ def reduce_scatter(eng: Rounds, work: ShmWork, out: torch.Tensor, inp: torch.Ten
         k = min(per, m - start)
         r = yield from eng.begin_round(work, "reduce_scatter_tensor")
         _write(eng, r, [inp[i * m + start : i * m + start + k] for i in range(n)])
-        _sign(eng, r, "reduce_scatter_tensor", total)
+        sign(eng, r, "reduce_scatter_tensor", total)
         eng.publish(r)
         yield from eng.await_arrival(work, r, eng.others, "reduce_scatter_tensor")
         _check_sizes(eng, r, eng.others, n * k * out.element_size(), "reduce_scatter_tensor", total)
@@ -185,7 +193,7 @@ def scatter(eng: Rounds, work: ShmWork, out: torch.Tensor, inp: torch.Tensor | N
         if eng.me == src:
             assert inp is not None
             _write(eng, r, [inp[i * m + start : i * m + start + k] for i in range(n)])
-            _sign(eng, r, "scatter", total)
+            sign(eng, r, "scatter", total)
         eng.publish(r)
         if eng.me != src:
             yield from eng.await_arrival(work, r, [src], "scatter")
@@ -197,7 +205,7 @@ def scatter(eng: Rounds, work: ShmWork, out: torch.Tensor, inp: torch.Tensor | N
 def barrier(eng: Rounds, work: ShmWork) -> Steps:
     r = yield from eng.begin_round(work, "barrier")
     eng.slot_size[eng.me][r & 1].value = 0
-    _sign(eng, r, "barrier", 0)
+    sign(eng, r, "barrier", 0)
     eng.publish(r)
     yield from eng.await_arrival(work, r, eng.others, "barrier")
     _check_sizes(eng, r, eng.others, 0, "barrier", 0)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from spmd_shm.peers import Peers, Steps
-from spmd_shm.segment import ACK, ARRIVE, Segment
+from spmd_shm.segment import ACK, ARRIVE, REDUCED, Segment
 from spmd_shm.work import ShmWork
 
 
@@ -28,6 +28,7 @@ class Rounds:
         i64, n = segment.i64, peers.n
         self.arrive = [i64(lay.ctrl_at(r, ARRIVE)) for r in range(n)]
         self.ack = [i64(lay.ctrl_at(r, ACK)) for r in range(n)]
+        self.reduced = [i64(lay.ctrl_at(r, REDUCED)) for r in range(n)]
         data = segment.bytes
         #: Each slot's header line: the bytes its rank wrote for this round, and the op's signature.
         self.slot_size = [[i64(lay.slot_at(r, p)) for p in (0, 1)] for r in range(n)]
@@ -56,6 +57,15 @@ class Rounds:
     def await_arrival(self, work: ShmWork, r: int, ranks: list[int], what: str) -> Steps:
         """Wait until every rank of ``ranks`` published round ``r``."""
         yield from self.peers.wait_counters(work, self.arrive, ranks, r, what)
+
+    def publish_reduced(self, r: int) -> None:
+        """This rank's slice of round ``r`` is reduced, in place in its slot: the others may copy it."""
+        self.reduced[self.me].value = r
+        self._notify(self.others)
+
+    def await_reduced(self, work: ShmWork, r: int, ranks: list[int], what: str) -> Steps:
+        """Wait until every rank of ``ranks`` reduced its slice of round ``r``."""
+        yield from self.peers.wait_counters(work, self.reduced, ranks, r, what)
 
     def view(self, q: int, r: int, dtype: torch.dtype, start: int, count: int) -> torch.Tensor:
         """Elements ``start:start+count`` (of ``dtype``) of rank ``q``'s slot for round ``r`` (views cached:

@@ -5,27 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from shm_groups import group_with_slots
 
 import spmd
-from spmd.comm.group import ProcessGroup
 
 #: Small slots, so that the test's blocks need several rounds.
 SLOT_BYTES = 4096
 #: (dtype, columns): rows of 12, 6 and 7 bytes, so chunks end inside rows and inside elements.
 CASES = [(torch.float32, 3), (torch.int16, 3), (torch.bool, 7)]
-
-
-def _group_with_slots(slot_bytes: int) -> ProcessGroup:
-    """A new shm group of every rank whose slots hold ``slot_bytes`` (read when the backend is made)."""
-    from spmd_shm import backend
-
-    default, backend.SLOT_BYTES = backend.SLOT_BYTES, slot_bytes
-    try:
-        group = spmd.new_group(list(range(spmd.get_world_size())), backend="shm")
-        spmd.barrier(group=group)  # every rank built its backend (with these slots) before the default comes back
-    finally:
-        backend.SLOT_BYTES = default
-    return group
 
 
 def _splits(n: int) -> list[list[int]]:
@@ -43,7 +30,7 @@ def exchange_in_rounds() -> list[str]:
     from spmd_shm.all_to_all import region_bytes
 
     n, me = spmd.get_world_size(), spmd.get_rank()
-    group = _group_with_slots(SLOT_BYTES)
+    group = group_with_slots(SLOT_BYTES)
     rounds = group.backend("cpu").engine.rounds
     splits, problems = _splits(n), []
     for dtype, cols in CASES:

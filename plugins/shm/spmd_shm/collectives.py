@@ -23,11 +23,14 @@ from spmd_shm.work import ShmWork
 _CODES = {"all_reduce": 1, "reduce": 2, "broadcast": 3, "all_gather_into_tensor": 4, "gather": 5,
           "reduce_scatter_tensor": 6, "scatter": 7, "barrier": 8, "all_to_all_single": 9}
 _SIZE_BITS = (1 << 56) - 1
-#: all_reduce of at least this many bytes: each rank reduces 1/N of every chunk (reduce-scatter), then
-#: copies the others' reduced slices (all-gather), instead of every rank reducing every chunk whole. It
-#: moves less memory but adds a synchronisation per chunk: on 2 ranks (2-core host, interleaved A/B,
-#: three runs) split/whole was 1.18-1.21 at 64 KiB, 1.01-1.07 at 1 MiB, 0.91-0.96 at 4 MiB, 0.85-0.94 at 16 MiB.
+#: all_reduce of at least this many bytes, in a group of at least this many ranks: each rank reduces 1/N of
+#: every chunk (reduce-scatter), then copies the others' reduced slices (all-gather), instead of every rank
+#: reducing every chunk whole. That moves less memory but adds a synchronisation per chunk. Measured on the
+#: loaded 2-core host, split / whole back to back (paired blocks, medians): 2 ranks 1.24-1.30 at 1 MiB,
+#: 0.99-1.07 at 4 MiB, 0.96-1.05 at 16 MiB (no gain); 3 ranks 0.87-1.14 and 0.99-1.00; 4 ranks 0.89 and
+#: 0.73-0.81 (see the README).
 SPLIT_BYTES = int(os.environ.get("SPMD_SHM_SPLIT_BYTES", str(4 << 20)))
+SPLIT_RANKS = int(os.environ.get("SPMD_SHM_SPLIT_RANKS", "4"))
 _LINE = 64  # elements per slice at least (the slices are cut at cache lines)
 
 
@@ -85,9 +88,9 @@ def _chunk(eng: Rounds, element_size: int, blocks: int = 1) -> int:
 
 
 def all_reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> Steps:
-    """Small tensors: every rank reduces every chunk whole; from ``SPLIT_BYTES``: reduce-scatter + all-gather."""
+    """Every rank reduces every chunk whole; from ``SPLIT_BYTES`` on ``SPLIT_RANKS``: reduce-scatter + all-gather."""
     total = flat.numel() * flat.element_size()
-    split = eng.n > 1 and total >= SPLIT_BYTES and flat.numel() >= eng.n * _LINE
+    split = eng.n >= max(2, SPLIT_RANKS) and total >= SPLIT_BYTES and flat.numel() >= eng.n * _LINE
     everyone, per = list(range(eng.n)), _chunk(eng, flat.element_size())
     for start in range(0, flat.numel(), per):
         piece = flat if per >= flat.numel() else flat[start : start + per]

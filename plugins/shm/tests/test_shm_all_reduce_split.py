@@ -28,14 +28,15 @@ def _bits(t: torch.Tensor) -> bytes:
 
 
 def both_paths() -> list[tuple[str, bytes, bytes, tuple[int, int]]]:
-    """Each case all-reduced with the split path (threshold 0) and with the whole-chunk one (threshold
+    """Each case all-reduced with the split path (from 0 bytes on 2 ranks) and with the whole-chunk one (threshold
     unreachable): (case, split result's bytes, whole result's, rounds in which this rank reduced a slice on each path)."""
     from spmd_shm import collectives
 
     group = group_with_slots(SLOT_BYTES)
     rounds = group.backend("cpu").engine.rounds
     me, results = spmd.get_rank(), []
-    default = collectives.SPLIT_BYTES
+    defaults = collectives.SPLIT_BYTES, collectives.SPLIT_RANKS
+    collectives.SPLIT_RANKS = 2
     try:
         for dtype, op in CASES:
             got = {}
@@ -47,7 +48,7 @@ def both_paths() -> list[tuple[str, bytes, bytes, tuple[int, int]]]:
                 got[path] = (_bits(t), rounds.reduced[me].value - before)
             results.append((f"{dtype} {op.name}", got["split"][0], got["whole"][0], (got["split"][1], got["whole"][1])))
     finally:
-        collectives.SPLIT_BYTES = default
+        collectives.SPLIT_BYTES, collectives.SPLIT_RANKS = defaults
     spmd.destroy_process_group(group)
     return results
 

@@ -19,9 +19,10 @@ from spmd_shm.peers import Steps
 from spmd_shm.rounds import Rounds
 from spmd_shm.work import ShmWork
 
+_SPLIT = "all_reduce (split)"
 #: Codes that identify the op in a slot's signature (with the op's total byte count).
 _CODES = {"all_reduce": 1, "reduce": 2, "broadcast": 3, "all_gather_into_tensor": 4, "gather": 5,
-          "reduce_scatter_tensor": 6, "scatter": 7, "barrier": 8, "all_to_all_single": 9}
+          "reduce_scatter_tensor": 6, "scatter": 7, "barrier": 8, "all_to_all_single": 9, _SPLIT: 10}
 _SIZE_BITS = (1 << 56) - 1
 #: all_reduce of at least this many bytes, in a group of at least this many ranks: each rank reduces 1/N of
 #: every chunk (reduce-scatter), then copies the others' reduced slices (all-gather), instead of every rank
@@ -47,6 +48,11 @@ def check_op(eng: Rounds, r: int, ranks: list[int], op: str, total: int, same_to
         sig = eng.slot_sig[q][r & 1].value
         if sig != mine and (same_total or sig >> 56 != _CODES[op]):
             names = {code: name for name, code in _CODES.items()}
+            if {names.get(sig >> 56), op} == {"all_reduce", _SPLIT}:
+                raise CollectiveError(
+                    f"shm: this rank and {eng.names([q])} chose different all_reduce paths for {total} bytes "
+                    f"(this rank: {op}); SPMD_SHM_SPLIT_BYTES and SPMD_SHM_SPLIT_RANKS must be the same on every rank"
+                )
             raise CollectiveError(
                 f"shm: this rank called {op} on {total} bytes but {eng.names([q])} called "
                 f"{names.get(sig >> 56, 'another op')} on {sig & _SIZE_BITS} bytes at the same point; every rank of "
@@ -91,15 +97,16 @@ def all_reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> 
     """Every rank reduces every chunk whole; from ``SPLIT_BYTES`` on ``SPLIT_RANKS``: reduce-scatter + all-gather."""
     total = flat.numel() * flat.element_size()
     split = eng.n >= max(2, SPLIT_RANKS) and total >= SPLIT_BYTES and flat.numel() >= eng.n * _LINE
+    name = _SPLIT if split else "all_reduce"  # signed: ranks that chose different paths get a named error
     everyone, per = list(range(eng.n)), _chunk(eng, flat.element_size())
     for start in range(0, flat.numel(), per):
         piece = flat if per >= flat.numel() else flat[start : start + per]
         r = yield from eng.begin_round(work, "all_reduce")
         _write(eng, r, [piece])
-        sign(eng, r, "all_reduce", total)
+        sign(eng, r, name, total)
         eng.publish(r)
         yield from eng.await_arrival(work, r, eng.others, "all_reduce")
-        _check_sizes(eng, r, eng.others, piece.numel() * piece.element_size(), "all_reduce", total)
+        _check_sizes(eng, r, eng.others, piece.numel() * piece.element_size(), name, total)
         if split:
             yield from _reduce_slices(eng, work, r, piece, op)
         else:

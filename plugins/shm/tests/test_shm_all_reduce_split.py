@@ -64,3 +64,31 @@ def test_split_all_reduce_is_the_whole_chunk_one_bit_for_bit(spmd_world) -> None
     # and the whole-chunk path is the real thing: an exact integer sum checked independently
     products = [row for row in per_rank[0] if row[0] == "torch.int64 PRODUCT"][0][1]
     assert products == _bits(_input(0, torch.int64) * _input(1, torch.int64) * _input(2, torch.int64))
+
+
+def different_paths() -> str:
+    """Rank 0 all-reduces 64 KiB through the split path, rank 1 through the whole-chunk one (settings that
+    differ between ranks): the error this rank gets."""
+    from spmd_shm import collectives
+
+    group = spmd.new_group([0, 1], backend="shm", timeout=5.0)
+    spmd.barrier(group=group)
+    defaults = collectives.SPLIT_BYTES, collectives.SPLIT_RANKS
+    collectives.SPLIT_BYTES, collectives.SPLIT_RANKS = (0, 2) if spmd.get_rank() == 0 else defaults
+    try:
+        spmd.all_reduce(torch.ones(1 << 14), group=group)
+        return "no error"
+    except spmd.SpmdError as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        collectives.SPLIT_BYTES, collectives.SPLIT_RANKS = defaults
+
+
+def test_ranks_that_choose_different_paths_get_a_named_error(spmd_world) -> None:
+    world = spmd_world(2, "shm")
+    try:
+        results = world.run(different_paths, timeout=60)
+    finally:
+        world.kill()  # its new group was given up
+    for result in results:
+        assert "chose different all_reduce paths" in result and "SPMD_SHM_SPLIT_BYTES" in result, results

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -9,8 +10,10 @@ import torch
 
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.reduce_op import ReduceOp
-from spmd_shm import collectives
+from spmd.errors import BackendUnavailableError
+from spmd_shm import all_to_all, collectives
 from spmd_shm.engine import Engine
+from spmd_shm.p2p import Recv
 from spmd_shm.segment import Layout, check_same_host, open_segment
 from spmd_shm.work import ShmWork
 
@@ -26,37 +29,44 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def _row_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of one row (one index along dim 0) of ``tensor``; a 0-d tensor is one row."""
+    return math.prod(tensor.shape[1:]) * tensor.element_size()
+
+
 class ShmBackend(Backend):
     """Collectives and point-to-point between the ranks of one host, through a shared segment.
 
     Every op is queued to the group's progress thread and returns at once; the returned
-    ``ShmWork`` completes when this rank's part is done. ``all_to_all_single`` is the kernel's
-    generic algorithm over this backend's point-to-point.
+    ``ShmWork`` completes when this rank's part is done.
     """
 
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         check_same_host(ctx)
+        if all_to_all.region_bytes(SLOT_BYTES, ctx.size) < 1:
+            raise BackendUnavailableError(
+                f"SPMD_SHM_SLOT_BYTES={SLOT_BYTES} is too small for a group of {ctx.size} ranks (all_to_all_single "
+                f"needs at least {all_to_all.table_bytes(ctx.size) + ctx.size} bytes); raise it (default {4 << 20})"
+            )
         layout = Layout(ctx.size, SLOT_BYTES, PACKET_BYTES, PACKETS)
         self.engine = Engine(ctx, open_segment(ctx, layout))
 
     def _collective(self, steps_fn, *args) -> ShmWork:  # type: ignore[no-untyped-def]
         eng = self.engine
         work = eng.new_work()
-        return eng.submit("coll", work, steps_fn(eng, work, *args))
+        return eng.submit("coll", work, steps_fn(eng.rounds, work, *args))
 
     # -- point-to-point -----------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> ShmWork:
         eng = self.engine
         work = eng.new_work()
-        return eng.submit("send", work, (dst, eng.send_steps(work, _bytes(tensor), dst, tag)))
+        return eng.submit("send", work, (dst, eng.rings.send_steps(work, _bytes(tensor), dst, tag)))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> ShmWork:
-        from spmd_shm.engine import _Recv
-
         eng = self.engine
         work = eng.new_work()
-        return eng.submit("recv", work, _Recv(work, _bytes(tensor), src, tag))
+        return eng.submit("recv", work, Recv(work, _bytes(tensor), src, tag))
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> ShmWork:
@@ -73,6 +83,15 @@ class ShmBackend(Backend):
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> ShmWork:
         return self._collective(collectives.reduce_scatter, output.view(-1), input.view(-1), op)
+
+    def all_to_all_single(
+        self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int], input_split_sizes: Sequence[int]
+    ) -> ShmWork:
+        out_row, in_row = _row_bytes(output), _row_bytes(input)
+        return self._collective(
+            all_to_all.all_to_all_single, _bytes(output), _bytes(input),
+            [rows * out_row for rows in output_split_sizes], [rows * in_row for rows in input_split_sizes],
+        )
 
     def gather(self, output: torch.Tensor | None, input: torch.Tensor, dst: int) -> ShmWork:
         return self._collective(collectives.gather, None if output is None else output.view(-1), input.view(-1), dst)

@@ -1,6 +1,6 @@
 """The shm collectives, as generators the engine steps: chunk by chunk through the rank slots.
 
-Each chunk is one round (see ``spmd_shm.engine``): the writers copy into their slot, everyone
+Each chunk is one round (see ``spmd_shm.rounds``): the writers copy into their slot, everyone
 publishes, the readers copy or reduce out of the slots they need, everyone acks. Reductions read
 the slots in rank order on every rank, so all ranks get bit-identical results. Large tensors go
 through the slots one slot-sized chunk after another; with two slots per rank the copy-in of
@@ -9,24 +9,58 @@ chunk i+1 does not wait for the slowest reader of chunk i.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from spmd.comm.reduce_op import ReduceOp, finish_avg, reduce_into
 from spmd.errors import CollectiveError
-from spmd_shm.engine import Engine, Steps
+from spmd_shm.peers import Steps
+from spmd_shm.rounds import Rounds
 from spmd_shm.work import ShmWork
 
+_SPLIT = "all_reduce (split)"
 #: Codes that identify the op in a slot's signature (with the op's total byte count).
 _CODES = {"all_reduce": 1, "reduce": 2, "broadcast": 3, "all_gather_into_tensor": 4, "gather": 5,
-          "reduce_scatter_tensor": 6, "scatter": 7, "barrier": 8}
+          "reduce_scatter_tensor": 6, "scatter": 7, "barrier": 8, "all_to_all_single": 9, _SPLIT: 10}
+_SIZE_BITS = (1 << 56) - 1
+#: all_reduce of at least this many bytes, in a group of at least this many ranks: each rank reduces 1/N of
+#: every chunk (reduce-scatter), then copies the others' reduced slices (all-gather), instead of every rank
+#: reducing every chunk whole. That moves less memory but adds a synchronisation per chunk. Measured on the
+#: loaded 2-core host, split / whole back to back (paired blocks, medians): 2 ranks 1.24-1.30 at 1 MiB,
+#: 0.99-1.07 at 4 MiB, 0.96-1.05 at 16 MiB (no gain); 3 ranks 0.87-1.14 and 0.99-1.00; 4 ranks 0.89 and
+#: 0.73-0.81 (see the README).
+SPLIT_BYTES = int(os.environ.get("SPMD_SHM_SPLIT_BYTES", str(4 << 20)))
+SPLIT_RANKS = int(os.environ.get("SPMD_SHM_SPLIT_RANKS", "4"))
+_LINE = 64  # elements per slice at least (the slices are cut at cache lines)
 
 
-def _sign(eng: Engine, r: int, op: str, total: int) -> None:
+def sign(eng: Rounds, r: int, op: str, total: int) -> None:
     """Record which op (and how many bytes in all) this rank's round-``r`` slot belongs to."""
     eng.slot_sig[eng.me][r & 1].value = (_CODES[op] << 56) | total
 
 
-def _write(eng: Engine, r: int, parts: list[torch.Tensor]) -> None:
+def check_op(eng: Rounds, r: int, ranks: list[int], op: str, total: int, same_total: bool = True) -> None:
+    """Raise a named error if a peer's round-``r`` slot belongs to another op (or, with ``same_total``, to
+    the same op on another byte count) than this rank's."""
+    mine = (_CODES[op] << 56) | total
+    for q in ranks:
+        sig = eng.slot_sig[q][r & 1].value
+        if sig != mine and (same_total or sig >> 56 != _CODES[op]):
+            names = {code: name for name, code in _CODES.items()}
+            if {names.get(sig >> 56), op} == {"all_reduce", _SPLIT}:
+                raise CollectiveError(
+                    f"shm: this rank and {eng.names([q])} chose different all_reduce paths for {total} bytes "
+                    f"(this rank: {op}); SPMD_SHM_SPLIT_BYTES and SPMD_SHM_SPLIT_RANKS must be the same on every rank"
+                )
+            raise CollectiveError(
+                f"shm: this rank called {op} on {total} bytes but {eng.names([q])} called "
+                f"{names.get(sig >> 56, 'another op')} on {sig & _SIZE_BITS} bytes at the same point; every rank of "
+                "the group must make the same collective calls, in the same order, with tensors of the same shape and dtype"
+            )
+
+
+def _write(eng: Rounds, r: int, parts: list[torch.Tensor]) -> None:
     """Copy ``parts`` (of one dtype) back to back into this rank's slot for round ``r``; record the byte count."""
     offset = 0
     for part in parts:
@@ -37,55 +71,85 @@ def _write(eng: Engine, r: int, parts: list[torch.Tensor]) -> None:
     eng.slot_size[eng.me][r & 1].value = offset * parts[0].element_size() if parts else 0
 
 
-def _read(eng: Engine, q: int, r: int, dtype: torch.dtype, start: int, count: int) -> torch.Tensor:
+def _read(eng: Rounds, q: int, r: int, dtype: torch.dtype, start: int, count: int) -> torch.Tensor:
     """Elements ``start:start+count`` (of ``dtype``) of rank ``q``'s slot for round ``r``."""
     return eng.view(q, r, dtype, start, count)
 
 
-def _check_sizes(eng: Engine, r: int, ranks: list[int], nbytes: int, op: str, total: int) -> None:
+def _check_sizes(eng: Rounds, r: int, ranks: list[int], nbytes: int, op: str, total: int) -> None:
     """Raise a named error if a peer's slot holds another op, or another size, than this rank's."""
-    mine = (_CODES[op] << 56) | total
+    check_op(eng, r, ranks, op, total)
     for q in ranks:
-        sig = eng.slot_sig[q][r & 1].value
-        if sig != mine:
-            names = {code: name for name, code in _CODES.items()}
-            raise CollectiveError(
-                f"shm: this rank called {op} on {total} bytes but {eng.global_names([q])} called "
-                f"{names.get(sig >> 56, 'another op')} on {sig & ((1 << 56) - 1)} bytes at the same point; every rank of "
-                "the group must make the same collective calls, in the same order, with tensors of the same shape and dtype"
-            )
         theirs = eng.slot_size[q][r & 1].value
         if theirs != nbytes:
             raise CollectiveError(
-                f"shm: {op}: {eng.global_names([q])} passed {theirs} bytes for this chunk, this rank {nbytes}; every rank "
+                f"shm: {op}: {eng.names([q])} passed {theirs} bytes for this chunk, this rank {nbytes}; every rank "
                 "must call the collective with tensors of the same shape and dtype"
             )
 
 
-def _chunk(eng: Engine, element_size: int, blocks: int = 1) -> int:
+def _chunk(eng: Rounds, element_size: int, blocks: int = 1) -> int:
     """Elements per block per round, so that ``blocks`` blocks fill at most one slot."""
     return max(1, eng.lay.slot_bytes // (element_size * blocks))
 
 
-def all_reduce(eng: Engine, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> Steps:
+def all_reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> Steps:
+    """Every rank reduces every chunk whole; from ``SPLIT_BYTES`` on ``SPLIT_RANKS``: reduce-scatter + all-gather."""
     total = flat.numel() * flat.element_size()
+    split = eng.n >= max(2, SPLIT_RANKS) and total >= SPLIT_BYTES and flat.numel() >= eng.n * _LINE
+    name = _SPLIT if split else "all_reduce"  # signed: ranks that chose different paths get a named error
     everyone, per = list(range(eng.n)), _chunk(eng, flat.element_size())
     for start in range(0, flat.numel(), per):
         piece = flat if per >= flat.numel() else flat[start : start + per]
         r = yield from eng.begin_round(work, "all_reduce")
         _write(eng, r, [piece])
-        _sign(eng, r, "all_reduce", total)
+        sign(eng, r, name, total)
         eng.publish(r)
         yield from eng.await_arrival(work, r, eng.others, "all_reduce")
-        _check_sizes(eng, r, eng.others, piece.numel() * piece.element_size(), "all_reduce", total)
-        piece.copy_(_read(eng, 0, r, flat.dtype, 0, piece.numel()))
-        for q in everyone[1:]:
-            reduce_into(piece, _read(eng, q, r, flat.dtype, 0, piece.numel()), op)
+        _check_sizes(eng, r, eng.others, piece.numel() * piece.element_size(), name, total)
+        if split:
+            yield from _reduce_slices(eng, work, r, piece, op)
+        else:
+            piece.copy_(_read(eng, 0, r, flat.dtype, 0, piece.numel()))
+            for q in everyone[1:]:
+                reduce_into(piece, _read(eng, q, r, flat.dtype, 0, piece.numel()), op)
         eng.finish_round(r)
     finish_avg(flat, op, eng.n)
 
 
-def reduce(eng: Engine, work: ShmWork, flat: torch.Tensor, dst: int, op: ReduceOp) -> Steps:
+def _slices(n: int, count: int, element_size: int) -> list[int]:
+    """Bounds of ``n`` slices of ``count`` elements, cut at cache-line boundaries: slice q is ``[b[q], b[q+1])``."""
+    line = max(1, 64 // element_size)
+    return [0] + [count * q // n // line * line for q in range(1, n)] + [count]
+
+
+def _reduce_slices(eng: Rounds, work: ShmWork, r: int, piece: torch.Tensor, op: ReduceOp) -> Steps:
+    """Round ``r`` (every slot written): this rank reduces its slice of every slot into its own slot, the
+    others' reduced slices are copied from theirs. Each slice is reduced by one rank, in rank order."""
+    me, dtype, k = eng.me, piece.dtype, piece.numel()
+    bounds = _slices(eng.n, k, piece.element_size())
+    lo, count = bounds[me], bounds[me + 1] - bounds[me]
+    mine = _read(eng, me, r, dtype, lo, count)
+    if count:
+        if me <= 1:  # in place: x0 op x1 (ops are commutative) op x2 ... is rank order
+            for q in eng.others:
+                reduce_into(mine, _read(eng, q, r, dtype, lo, count), op)
+        else:  # rank order: the first rank's slice, then the others' (this rank's own included)
+            acc = piece[lo : lo + count]
+            acc.copy_(_read(eng, 0, r, dtype, lo, count))
+            for q in range(1, eng.n):
+                reduce_into(acc, _read(eng, q, r, dtype, lo, count), op)
+            mine.copy_(acc)
+    eng.publish_reduced(r)
+    yield from eng.await_reduced(work, r, eng.others, "all_reduce")
+    for q in range(eng.n):
+        if q != me:
+            piece[bounds[q] : bounds[q + 1]].copy_(_read(eng, q, r, dtype, bounds[q], bounds[q + 1] - bounds[q]))
+        elif me <= 1:
+            piece[lo : lo + count].copy_(mine)
+
+
+def reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, dst: int, op: ReduceOp) -> Steps:
     total = flat.numel() * flat.element_size()
     per = _chunk(eng, flat.element_size())
     scratch = torch.empty(min(per, flat.numel()), dtype=flat.dtype) if eng.me == dst else None
@@ -93,7 +157,7 @@ def reduce(eng: Engine, work: ShmWork, flat: torch.Tensor, dst: int, op: ReduceO
         piece = flat[start : start + per]
         r = yield from eng.begin_round(work, "reduce")
         _write(eng, r, [piece])
-        _sign(eng, r, "reduce", total)
+        sign(eng, r, "reduce", total)
         eng.publish(r)
         if eng.me == dst:
             assert scratch is not None
@@ -109,7 +173,7 @@ def reduce(eng: Engine, work: ShmWork, flat: torch.Tensor, dst: int, op: ReduceO
         finish_avg(flat, op, eng.n)
 
 
-def broadcast(eng: Engine, work: ShmWork, flat: torch.Tensor, src: int) -> Steps:
+def broadcast(eng: Rounds, work: ShmWork, flat: torch.Tensor, src: int) -> Steps:
     total = flat.numel() * flat.element_size()
     per = _chunk(eng, flat.element_size())
     for start in range(0, flat.numel(), per):
@@ -117,7 +181,7 @@ def broadcast(eng: Engine, work: ShmWork, flat: torch.Tensor, src: int) -> Steps
         r = yield from eng.begin_round(work, "broadcast")
         if eng.me == src:
             _write(eng, r, [piece])
-            _sign(eng, r, "broadcast", total)
+            sign(eng, r, "broadcast", total)
         eng.publish(r)
         if eng.me != src:
             yield from eng.await_arrival(work, r, [src], "broadcast")
@@ -126,15 +190,15 @@ def broadcast(eng: Engine, work: ShmWork, flat: torch.Tensor, src: int) -> Steps
         eng.finish_round(r)
 
 
-def all_gather(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor) -> Steps:
+def all_gather(eng: Rounds, work: ShmWork, out: torch.Tensor, inp: torch.Tensor) -> Steps:
     yield from _gather_into(eng, work, out, inp, "all_gather_into_tensor", None)
 
 
-def gather(eng: Engine, work: ShmWork, out: torch.Tensor | None, inp: torch.Tensor, dst: int) -> Steps:
+def gather(eng: Rounds, work: ShmWork, out: torch.Tensor | None, inp: torch.Tensor, dst: int) -> Steps:
     yield from _gather_into(eng, work, out, inp, "gather", dst)
 
 
-def _gather_into(eng: Engine, work: ShmWork, out: torch.Tensor | None, inp: torch.Tensor, name: str, dst: int | None) -> Steps:
+def _gather_into(eng: Rounds, work: ShmWork, out: torch.Tensor | None, inp: torch.Tensor, name: str, dst: int | None) -> Steps:
     """Every rank's ``inp`` into ``out`` in rank order, chunk by chunk: on every rank, or on ``dst`` only."""
     total = inp.numel() * inp.element_size()
     m, per = inp.numel(), _chunk(eng, inp.element_size())
@@ -143,7 +207,7 @@ def _gather_into(eng: Engine, work: ShmWork, out: torch.Tensor | None, inp: torc
         k = piece.numel()
         r = yield from eng.begin_round(work, name)
         _write(eng, r, [piece])
-        _sign(eng, r, name, total)
+        sign(eng, r, name, total)
         eng.publish(r)
         if dst is None or eng.me == dst:
             assert out is not None
@@ -154,7 +218,7 @@ def _gather_into(eng: Engine, work: ShmWork, out: torch.Tensor | None, inp: torc
         eng.finish_round(r)
 
 
-def reduce_scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Steps:
+def reduce_scatter(eng: Rounds, work: ShmWork, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Steps:
     total = out.numel() * out.element_size()
     n, m = eng.n, out.numel()
     per = _chunk(eng, out.element_size(), n)
@@ -162,7 +226,7 @@ def reduce_scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Ten
         k = min(per, m - start)
         r = yield from eng.begin_round(work, "reduce_scatter_tensor")
         _write(eng, r, [inp[i * m + start : i * m + start + k] for i in range(n)])
-        _sign(eng, r, "reduce_scatter_tensor", total)
+        sign(eng, r, "reduce_scatter_tensor", total)
         eng.publish(r)
         yield from eng.await_arrival(work, r, eng.others, "reduce_scatter_tensor")
         _check_sizes(eng, r, eng.others, n * k * out.element_size(), "reduce_scatter_tensor", total)
@@ -174,7 +238,7 @@ def reduce_scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Ten
     finish_avg(out, op, n)
 
 
-def scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor | None, src: int) -> Steps:
+def scatter(eng: Rounds, work: ShmWork, out: torch.Tensor, inp: torch.Tensor | None, src: int) -> Steps:
     total = out.numel() * out.element_size()
     n, m = eng.n, out.numel()
     per = _chunk(eng, out.element_size(), n)
@@ -184,7 +248,7 @@ def scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor | N
         if eng.me == src:
             assert inp is not None
             _write(eng, r, [inp[i * m + start : i * m + start + k] for i in range(n)])
-            _sign(eng, r, "scatter", total)
+            sign(eng, r, "scatter", total)
         eng.publish(r)
         if eng.me != src:
             yield from eng.await_arrival(work, r, [src], "scatter")
@@ -193,10 +257,10 @@ def scatter(eng: Engine, work: ShmWork, out: torch.Tensor, inp: torch.Tensor | N
         eng.finish_round(r)
 
 
-def barrier(eng: Engine, work: ShmWork) -> Steps:
+def barrier(eng: Rounds, work: ShmWork) -> Steps:
     r = yield from eng.begin_round(work, "barrier")
     eng.slot_size[eng.me][r & 1].value = 0
-    _sign(eng, r, "barrier", 0)
+    sign(eng, r, "barrier", 0)
     eng.publish(r)
     yield from eng.await_arrival(work, r, eng.others, "barrier")
     _check_sizes(eng, r, eng.others, 0, "barrier", 0)

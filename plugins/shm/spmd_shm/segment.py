@@ -24,10 +24,11 @@ from spmd.comm.backend import BackendContext
 from spmd.errors import BackendUnavailableError, CollectiveTimeoutError
 
 _ALIGN = 64
-#: Per rank control block: arrive (i64), ack (i64), pid (i64), state (i64) | doorbell (i32, futex word),
-#: sleep (two i32 halves: set while the rank's callers, or its background thread, sleep on the doorbell).
+#: Per rank control block: arrive (i64), ack (i64), pid (i64), state (i64), reduced (i64: the last round
+#: whose slice this rank reduced in its slot) | doorbell (i32, futex word), sleep (two i32 halves: set
+#: while the rank's callers, or its background thread, sleep on the doorbell).
 _CTRL_BYTES = 128
-ARRIVE, ACK, PID, STATE, DOORBELL, SLEEP = 0, 8, 16, 24, 64, 72
+ARRIVE, ACK, PID, STATE, REDUCED, DOORBELL, SLEEP = 0, 8, 16, 24, 32, 64, 72
 #: STATE values (only the rank itself writes its own).
 ATTACHED, BROKEN, CLOSED = 1, 2, 3
 #: Per ordered pair of ranks: produced (i64, written by the sender), consumed (i64, by the receiver).

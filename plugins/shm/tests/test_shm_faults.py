@@ -21,9 +21,12 @@ def _segments() -> set[str]:
 
 
 def run_world(scenario: str, timeout: float, cwd: Path) -> dict[int, dict]:
-    """Run fault_script.py on WORLD ranks in ``cwd`` (where trace dumps land); the survivors' RESULT lines by rank."""
+    """Run fault_script.py on WORLD ranks in ``cwd`` (where trace dumps land); the survivors' RESULT lines by rank.
+    A scenario ending in ``_split`` runs its all_reduce through the reduce-scatter + all-gather path."""
     results = {}
-    for run in run_ranks(SCRIPT, [scenario, str(timeout)], WORLD, timeout + 60, cwd=cwd):
+    env = {"SPMD_SHM_SPLIT_RANKS": "2", "SPMD_SHM_SPLIT_BYTES": "0"} if scenario.endswith("_split") else {}
+    scenario = scenario.removesuffix("_split")
+    for run in run_ranks(SCRIPT, [scenario, str(timeout)], WORLD, timeout + 60, env=env, cwd=cwd):
         line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line:
             results[run.rank] = json.loads(line[len("RESULT "):])
@@ -32,7 +35,7 @@ def run_world(scenario: str, timeout: float, cwd: Path) -> dict[int, dict]:
     return results
 
 
-@pytest.mark.parametrize("scenario", ["kill_mid_all_reduce", "kill_before_recv"])
+@pytest.mark.parametrize("scenario", ["kill_mid_all_reduce", "kill_mid_all_reduce_split", "kill_before_recv"])
 def test_sigkilled_rank_is_a_named_error_and_leaves_no_segment(scenario: str, tmp_path: Path) -> None:
     before = _segments()
     timeout = 20.0

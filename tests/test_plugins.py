@@ -30,16 +30,21 @@ def test_manager_loads_builtins_then_entry_points_once():
     assert pm.infos["gloo"].loaded
 
 
-def test_broken_plugin_is_reported_and_the_rest_keeps_working(monkeypatch):
+def add_entry_point(monkeypatch, name: str, module: str) -> None:
+    """Make the installed distributions seem to declare one more ``spmd`` entry point, ``name = module``."""
     real = importlib.metadata.entry_points
 
-    def with_broken(**kwargs):
+    def with_one_more(**kwargs):
         eps = list(real(**kwargs))
         if kwargs.get("group") == "spmd":
-            eps.append(importlib.metadata.EntryPoint("broken", "spmd_no_such_module", "spmd"))
+            eps.append(importlib.metadata.EntryPoint(name, module, "spmd"))
         return eps
 
-    monkeypatch.setattr(importlib.metadata, "entry_points", with_broken)
+    monkeypatch.setattr(importlib.metadata, "entry_points", with_one_more)
+
+
+def test_broken_plugin_is_reported_and_the_rest_keeps_working(monkeypatch):
+    add_entry_point(monkeypatch, "broken", "spmd_no_such_module")
     with pytest.warns(UserWarning, match="'broken'.*failed to load"):
         pm = plugins.manager()
     assert not pm.infos["broken"].loaded

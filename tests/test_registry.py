@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from test_plugins import add_entry_point
 
 import spmd
 from spmd import hookspecs, plugins
@@ -241,7 +242,6 @@ def test_register_comm_hook_is_a_plugin_and_a_second_name_needs_override():
 def test_a_plugin_module_that_registers_a_comm_hook_at_its_import_loads(tmp_path, monkeypatch):
     """register_hook called while the manager is loading the module (from the loading thread) neither blocks
     nor is lost: the hook is found, and again after a reset (the module is not imported twice)."""
-    import importlib.metadata
 
     from spmd.parallel import comm_hooks
 
@@ -249,15 +249,7 @@ def test_a_plugin_module_that_registers_a_comm_hook_at_its_import_loads(tmp_path
         "from spmd.parallel.comm_hooks import allreduce_hook, register_hook\n"
         "register_hook('hooky', allreduce_hook)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    real = importlib.metadata.entry_points
-
-    def with_hooky(**kwargs):
-        eps = list(real(**kwargs))
-        if kwargs.get("group") == "spmd":
-            eps.append(importlib.metadata.EntryPoint("hooky", "hooky_plugin", "spmd"))
-        return eps
-
-    monkeypatch.setattr(importlib.metadata, "entry_points", with_hooky)
+    add_entry_point(monkeypatch, "hooky", "hooky_plugin")
     try:
         assert comm_hooks.get_hook("hooky") is comm_hooks.allreduce_hook
         assert plugins.manager().infos["hooky"].loaded

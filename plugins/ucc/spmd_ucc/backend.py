@@ -36,6 +36,7 @@ from spmd.comm.reduce_op import ReduceOp, finish_avg, reduce_into
 from spmd.comm.work import NativeWork, Work
 from spmd.errors import CollectiveError
 from spmd_ucc.engine import Engine, Peer, Pending, get_engine
+from spmd_ucc.placement import host_identity, spans_namespaces
 
 _GID_BITS, _RANK_BITS, _TAG_BITS = 18, 17, 29
 _GID_SHIFT, _RANK_SHIFT = _RANK_BITS + _TAG_BITS, _TAG_BITS
@@ -236,6 +237,16 @@ def _agree_group_id(ctx: BackendContext) -> int:
     return gid % (1 << _GID_BITS)
 
 
+def _spans_namespaces(ctx: BackendContext) -> bool:
+    """Whether a rank of this group shares this kernel but not its network namespace (every rank publishes its own)."""
+    ctx.store.set(f"ucc/host/{ctx.rank}", host_identity())
+    keys = [f"ucc/host/{r}" for r in range(ctx.size) if r != ctx.rank]
+    if not keys:
+        return False
+    ctx.store.wait(keys, ctx.timeout)
+    return spans_namespaces(host_identity(), [bytes(ctx.store.get(k)).decode() for k in keys])
+
+
 def _group_uses_ucc(ctx: BackendContext) -> bool:
     """Whether the group being split off is configured with ``ucc`` for this device.
 
@@ -260,7 +271,7 @@ class UccBackend(Backend):
         super().__init__(ctx)
         if ctx.size > 1 << _RANK_BITS:
             raise ValueError(f"the ucc backend supports groups of up to {1 << _RANK_BITS} ranks, not {ctx.size}")
-        self.engine: Engine = get_engine(ctx.options)
+        self.engine: Engine = get_engine(ctx.options, parent is None and _spans_namespaces(ctx))
         self.failure: str | None = None
         self.failed_at = 0.0
         self._timeout = ctx.timeout.total_seconds()

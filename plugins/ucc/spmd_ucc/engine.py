@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from spmd.errors import BackendUnavailableError, CollectiveError
+from spmd.errors import CollectiveError
 from spmd_ucc import probe
 
 #: Environment variables that ``import ucxx`` sets for CUDA use; restored after the import
@@ -451,9 +451,9 @@ def get_engine(options: dict[str, Any] | None = None, across_namespaces: bool = 
     """The process's engine, created on first use with that group's ``ucx_*`` options.
 
     One UCX context per process: the first group to use ``ucc`` decides its
-    settings; a later group asking for different ones gets a warning, and one
-    whose peers sit in other network namespaces of this kernel, when the
-    context allows shared memory there, gets a BackendUnavailableError.
+    settings; a later group asking for different ones gets a warning (one
+    spanning network namespaces after a context with shared memory: see
+    ``backend._spans_namespaces``).
     """
     global _engine
     if _engine is None:
@@ -462,13 +462,6 @@ def get_engine(options: dict[str, Any] | None = None, across_namespaces: bool = 
                 _engine = Engine(options, across_namespaces)
                 atexit.register(_engine.shutdown)
                 return _engine
-    if across_namespaces and _engine.shared_memory_across_namespaces:
-        raise BackendUnavailableError(
-            "spmd-ucc: this group has peers in other network namespaces of this machine (containers or "
-            "test-bed hosts), but this process's UCX context was created, for an earlier group, with shared "
-            "memory, which cannot wake a peer across namespaces. Create a group spanning them first, or set "
-            "UCX_TLS (e.g. UCX_TLS=^sm) for the job"
-        )
     wanted = probe.ucx_config(options, across_namespaces)
     if any(_engine.config.get(k) != v for k, v in wanted.items()):
         warnings.warn(
@@ -476,6 +469,11 @@ def get_engine(options: dict[str, Any] | None = None, across_namespaces: bool = 
             f"options asking for {wanted} cannot change it (one UCX context per process)",
             stacklevel=3,
         )
+    return _engine
+
+
+def existing_engine() -> Engine | None:
+    """The process's engine if a group already created it (None: the next group decides its settings)."""
     return _engine
 
 

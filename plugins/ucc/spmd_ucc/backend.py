@@ -34,8 +34,9 @@ from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.buffers import BufferPool
 from spmd.comm.reduce_op import ReduceOp, finish_avg, reduce_into
 from spmd.comm.work import NativeWork, Work
-from spmd.errors import CollectiveError
-from spmd_ucc.engine import Engine, Peer, Pending, get_engine
+from spmd.errors import BackendUnavailableError, CollectiveError
+from spmd_ucc.engine import Engine, Peer, Pending, existing_engine, get_engine
+from spmd_ucc.placement import host_identity, spans_namespaces
 
 _GID_BITS, _RANK_BITS, _TAG_BITS = 18, 17, 29
 _GID_SHIFT, _RANK_SHIFT = _RANK_BITS + _TAG_BITS, _TAG_BITS
@@ -236,6 +237,33 @@ def _agree_group_id(ctx: BackendContext) -> int:
     return gid % (1 << _GID_BITS)
 
 
+def _spans_namespaces(ctx: BackendContext) -> bool:
+    """Whether a rank of this group shares this kernel but not its network namespace (every rank publishes its own).
+
+    Each rank also says whether its UCX context, made for an earlier group, already allows
+    shared memory there; if one does, every rank raises the same named error (none waits).
+    """
+    existing = existing_engine()
+    stuck = existing is not None and existing.shared_memory_across_namespaces
+    ctx.store.set(f"ucc/host/{ctx.rank}", f"{host_identity()}|{int(stuck)}")
+    keys = [f"ucc/host/{r}" for r in range(ctx.size)]
+    if ctx.size == 1:
+        return False
+    ctx.store.wait(keys, ctx.timeout)
+    published = [bytes(ctx.store.get(k)).decode().rpartition("|") for k in keys]
+    if not spans_namespaces(host_identity(), [identity for identity, _, _ in published]):
+        return False
+    stuck_ranks = [ctx.global_ranks[r] if ctx.global_ranks else r for r, (_, _, flag) in enumerate(published) if flag == "1"]
+    if stuck_ranks:
+        raise BackendUnavailableError(
+            f"spmd-ucc: group {ctx.group_name!r} has ranks in other network namespaces of this machine (containers "
+            f"or test-bed hosts), but the UCX context of rank(s) {stuck_ranks}, made for an earlier group, uses shared "
+            "memory, which cannot wake a peer across namespaces. Create a ucc group that spans them first, or set "
+            "UCX_TLS for the job (e.g. UCX_TLS=^sm)"
+        )
+    return True
+
+
 def _group_uses_ucc(ctx: BackendContext) -> bool:
     """Whether the group being split off is configured with ``ucc`` for this device.
 
@@ -260,7 +288,7 @@ class UccBackend(Backend):
         super().__init__(ctx)
         if ctx.size > 1 << _RANK_BITS:
             raise ValueError(f"the ucc backend supports groups of up to {1 << _RANK_BITS} ranks, not {ctx.size}")
-        self.engine: Engine = get_engine(ctx.options)
+        self.engine: Engine = get_engine(ctx.options, parent is None and _spans_namespaces(ctx))
         self.failure: str | None = None
         self.failed_at = 0.0
         self._timeout = ctx.timeout.total_seconds()

@@ -122,12 +122,14 @@ class Peer:
 class Engine:
     """UCX context, worker and progress for this process (use ``get_engine()``)."""
 
-    def __init__(self, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, options: dict[str, Any] | None = None, across_namespaces: bool = False) -> None:
         libucxx = import_ucxx()
         self.libucxx = libucxx
         self.Array = _Array
         self.Tag = libucxx.UCXXTag
-        self.config = probe.ucx_config(options)
+        self.config = probe.ucx_config(options, across_namespaces)
+        #: Whether UCX may use shared memory between processes in different network namespaces (see placement).
+        self.shared_memory_across_namespaces = not across_namespaces and "UCX_TLS" not in os.environ and "TLS" not in self.config
         features = (libucxx.Feature.TAG, libucxx.Feature.WAKEUP)
         self.context = libucxx.UCXContext(config_dict=self.config, feature_flags=features)
         self.worker = libucxx.UCXWorker(self.context)
@@ -445,26 +447,33 @@ _engine: Engine | None = None
 _engine_lock = threading.Lock()
 
 
-def get_engine(options: dict[str, Any] | None = None) -> Engine:
+def get_engine(options: dict[str, Any] | None = None, across_namespaces: bool = False) -> Engine:
     """The process's engine, created on first use with that group's ``ucx_*`` options.
 
     One UCX context per process: the first group to use ``ucc`` decides its
-    settings; a later group asking for different ones gets a warning.
+    settings; a later group asking for different ones gets a warning (one
+    spanning network namespaces after a context with shared memory: see
+    ``backend._spans_namespaces``).
     """
     global _engine
     if _engine is None:
         with _engine_lock:
             if _engine is None:
-                _engine = Engine(options)
+                _engine = Engine(options, across_namespaces)
                 atexit.register(_engine.shutdown)
                 return _engine
-    wanted = probe.ucx_config(options)
+    wanted = probe.ucx_config(options, across_namespaces)
     if any(_engine.config.get(k) != v for k, v in wanted.items()):
         warnings.warn(
             f"spmd-ucc: this process's UCX context was created with {_engine.config}; the group "
             f"options asking for {wanted} cannot change it (one UCX context per process)",
             stacklevel=3,
         )
+    return _engine
+
+
+def existing_engine() -> Engine | None:
+    """The process's engine if a group already created it (None: the next group decides its settings)."""
     return _engine
 
 

@@ -84,12 +84,20 @@ def versions() -> dict[str, str]:
     return out
 
 
-def ucx_config(options: dict | None = None) -> dict[str, str]:
-    """The UCX settings for spmd-ucc's context: defaults the environment does not override."""
+def ucx_config(options: dict | None = None, across_namespaces: bool = False) -> dict[str, str]:
+    """The UCX settings for spmd-ucc's context: defaults the environment does not override.
+
+    ``across_namespaces``: peers share this kernel but not its network namespace, so
+    shared memory is left out (``spmd_ucc.placement``) unless UCX_TLS or a group option says otherwise.
+    """
     config = {k: v for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in os.environ}
     for key, value in (options or {}).items():
         if key.startswith("ucx_"):  # group options: {"ucx_tls": "tcp"} -> TLS=tcp
             config[key[4:].upper()] = str(value)
+    if across_namespaces and "UCX_TLS" not in os.environ and "TLS" not in config:
+        from spmd_ucc.placement import SHARED_MEMORY_OFF
+
+        config["TLS"] = SHARED_MEMORY_OFF
     return config
 
 

@@ -207,17 +207,7 @@ def test_a_cut_link_ends_the_job_with_a_named_error_on_the_other_node(spmd_hosts
 
 def test_gloo_conformance_suite_across_hosts(spmd_hosts):
     """Every op of the conformance suite on 4 ranks spread over 2 nodes (ranks alternate), and split groups' new connections."""
-    from spmd.testing import World
-    from spmd.testing.conformance.checks import CHECKS
-    from spmd.testing.conformance.suite import run_cases
+    from spmd.testing.conformance.suite import failures_across_hosts
 
-    hosts = spmd_hosts(2)
-    here = hosts.attach_here()
-    world = World(4, "gloo", host=here, rank_prefix=lambda rank: hosts.nodes[rank % 2].command([]), env=run_env())
-    try:
-        failures = [f"{op}/{shape} rank {rank}: {failure}"
-                    for op, shape in [*((op, "world") for op in CHECKS), ("all_reduce", "split"), ("p2p", "split")]
-                    for rank, per_rank in enumerate(world.run(run_cases, op, shape, "cpu", timeout=120)) for failure in per_rank]
-    finally:
-        world.close()
+    failures = failures_across_hosts(spmd_hosts(2), "gloo", env=run_env())
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])

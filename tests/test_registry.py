@@ -9,20 +9,11 @@ import types
 
 import pytest
 import torch
-from test_plugins import add_entry_point
+from test_plugins import add_entry_point, fresh_manager  # noqa: F401  (an autouse fixture: every test starts on a fresh manager)
 
 import spmd
 from spmd import hookspecs, plugins
 from spmd.registry import ALL, Registry
-
-
-@pytest.fixture(autouse=True)
-def fresh_manager(monkeypatch):
-    for var in (plugins.ENV_BLOCK, plugins.ENV_DISABLE_AUTOLOAD, plugins.ENV_ENABLE):
-        monkeypatch.delenv(var, raising=False)
-    plugins.reset()
-    yield
-    plugins.reset()
 
 
 def _live_registries() -> list[Registry]:

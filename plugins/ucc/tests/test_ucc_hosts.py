@@ -71,19 +71,9 @@ def test_only_peers_in_another_network_namespace_count_as_across_hosts(spmd_host
 
 def test_ucc_conformance_suite_across_hosts(spmd_hosts):
     """Every op of the conformance suite on 4 ranks spread over 2 nodes (ranks alternate), and split groups."""
-    from spmd.testing import World
-    from spmd.testing.conformance.checks import CHECKS
-    from spmd.testing.conformance.suite import run_cases
+    from spmd.testing.conformance.suite import failures_across_hosts
 
-    hosts = spmd_hosts(2)
-    here = hosts.attach_here()
-    world = World(4, "ucc", host=here, rank_prefix=lambda rank: hosts.nodes[rank % 2].command([]), env=_env())
-    try:
-        failures = [f"{op}/{shape} rank {rank}: {failure}"
-                    for op, shape in [*((op, "world") for op in CHECKS), ("all_reduce", "split"), ("p2p", "split")]
-                    for rank, per_rank in enumerate(world.run(run_cases, op, shape, "cpu", timeout=120)) for failure in per_rank]
-    finally:
-        world.close()
+    failures = failures_across_hosts(spmd_hosts(2), "ucc", env=_env())
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])
 
 

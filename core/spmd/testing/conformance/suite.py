@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -108,3 +109,15 @@ class BackendConformance:
         per_rank = world.run(run_cases, conformance_case.op, conformance_case.shape, self.device, timeout=self.run_timeout)
         failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
         assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])
+
+
+def failures_across_hosts(hosts: Any, backend: str, env: dict[str, str] | None = None) -> list[str]:
+    """Every op of the suite on 4 ranks spread over 2 test-bed nodes (``spmd.testing.hosts``; ranks alternate), plus
+    split groups: one line per failing case (empty when the backend passes)."""
+    world = World(4, backend, host=hosts.attach_here(), rank_prefix=lambda rank: hosts.nodes[rank % 2].command([]), env=env)
+    try:
+        return [f"{op}/{shape} rank {rank}: {failure}"
+                for op, shape in [*((op, "world") for op in CHECKS), ("all_reduce", "split"), ("p2p", "split")]
+                for rank, per_rank in enumerate(world.run(run_cases, op, shape, "cpu", timeout=120)) for failure in per_rank]
+    finally:
+        world.close()

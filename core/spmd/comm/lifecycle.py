@@ -309,6 +309,8 @@ def complete(
     if not work._is_done:
         blocked = group.blocked
         blocked.add(work)  # (given up with the group: fail_pending ends this wait)
+        if group.unusable is not None:  # given up between the submission and the line above: fail_pending missed it
+            work._expire(group.refusal())
         try:
             work.wait()  # the synchronous path waits natively, with no callback hop
         finally:
@@ -331,6 +333,8 @@ def _wait_here(native: NativeWork, group: ProcessGroup, op: str, call: Call, aft
     limit = group.timeout_s if timeout is None else seconds(timeout)
     blocked = group.blocked
     blocked.add(native)  # (given up with the group: fail_pending aborts it, ending this wait)
+    if group.unusable is not None:  # given up between the submission and the line above: fail_pending missed it
+        native.abort()
     try:
         finished = native.wait(limit)
     finally:

@@ -36,7 +36,7 @@ def worker(args: argparse.Namespace) -> None:
     impls = {"spmd": opdb.spmd_impl, "torch": opdb.torch_impl}
     for impl in (impls[name]() for name in args.impls.split(",")):
         start = time.perf_counter()
-        reports[impl.name] = (opdb.sweep(impl, ops, world, max_samples=args.max_samples), time.perf_counter() - start)
+        reports[impl.name] = (opdb.sweep(impl, ops, world, max_samples=args.max_samples, case_seconds=args.case_seconds), time.perf_counter() - start)
     if spmd.get_rank() == 0:
         print(f"{len(ops)} ops of op_db, {world} ranks, float32 + complex64, Replicate and Shard(0)")
         print(f"{'':6s} {'match':>7s} {'error':>7s} {'mismatch':>9s} {'seconds':>8s}")
@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--impls", default="spmd,torch", help="whose DTensor to sweep: spmd, torch or both (the whole sweep"
                         " of both takes over an hour; each side alone gives its own counts)")
     parser.add_argument("--max-samples", type=int, default=None, help="at most this many samples per op and dtype")
+    parser.add_argument("--case-seconds", type=float, default=60.0, help="a case that runs longer ends as an error (torch's"
+                        " DTensor loops forever on unflatten into a zero-sized dimension)")
     parser.add_argument("--show", type=int, default=50, help="mismatches to print per side")
     parser.add_argument("--json", default=None, help="write every case of both sides to this file")
     run_as_ranks(worker, parser.parse_args(), parser.parse_args().world_size)

@@ -18,8 +18,11 @@ collectives, and rebuilds the mesh when an error left a group unusable.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,8 +144,13 @@ def sweep(
     *,
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.complex64),
     max_samples: int | None = None,
+    case_seconds: float | None = None,
 ) -> Report:
-    """Every sample of ``ops`` through ``impl``'s DTensor on a 1-D mesh of ``world_size`` ranks, against torch."""
+    """Every sample of ``ops`` through ``impl``'s DTensor on a 1-D mesh of ``world_size`` ranks, against torch.
+
+    ``case_seconds`` bounds one case (main thread only): a DTensor that computes longer (torch's loops forever
+    planning ``unflatten`` into a zero-sized dimension) ends the case as an error naming the limit.
+    """
     report = Report(impl.name)
     mesh = impl.new_mesh(world_size)
     for op in ops:
@@ -151,7 +159,11 @@ def sweep(
                 continue
             for index, sample in enumerate(_samples(op, dtype, max_samples)):
                 for layout in ("replicate", "shard0"):
-                    case = _run_case(impl, mesh, op, sample, layout, world_size)
+                    try:
+                        with _time_limit(case_seconds):
+                            case = _run_case(impl, mesh, op, sample, layout, world_size)
+                    except CaseTimeLimit as error:  # (outside the case's own error handling: still its outcome)
+                        case = Case(op.name, "", layout, 0, "error", f"CaseTimeLimit: {error}")
                     if case is None:
                         continue
                     case.dtype, case.sample = str(dtype).removeprefix("torch."), index
@@ -159,6 +171,30 @@ def sweep(
                     if case.outcome == "error":
                         mesh = impl.new_mesh(world_size)  # an error mid-collective may have broken its groups
     return report
+
+
+class CaseTimeLimit(Exception):
+    """A case ran past the sweep's ``case_seconds``."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise CaseTimeLimit in the main thread after ``seconds`` (a Python-level loop is interrupted; a C call
+    returns first). Nothing when ``seconds`` is None or off the main thread."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise CaseTimeLimit(f"no result within {seconds:g} s (the sweep's per-case limit)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _samples(op: Any, dtype: torch.dtype, limit: int | None) -> list[Any]:

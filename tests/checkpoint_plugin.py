@@ -19,6 +19,7 @@ from spmd.checkpoint import StorageSpec
 from spmd.checkpoint.filesystem import FileStorage
 from spmd.checkpoint.metadata import METADATA_FILE
 from spmd.checkpoint.storage import Buffer
+from spmd.polling import poll
 
 #: Bytes read from safetensors files through ``flat://`` in this process.
 BYTES_READ = [0]
@@ -116,9 +117,7 @@ class HeldStorage(FileStorage):
         if path.endswith(".safetensors"):
             with open(f"{self.root}.ready", "w"):
                 pass
-            deadline = time.monotonic() + 60
-            while not os.path.exists(f"{self.root}.go") and time.monotonic() < deadline:
-                time.sleep(0.01)
+            poll(lambda: os.path.exists(f"{self.root}.go"), 60, 0.01)
         return written
 
 

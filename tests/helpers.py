@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 import spmd
+from spmd.polling import poll
 
 
 def expect_error(fn_name: str) -> str:
@@ -79,7 +80,16 @@ def peer_gives_up_while_inside(timeout: float) -> str:
     t = torch.ones(4)
     spmd.all_reduce(t, group=group)  # the backend exists and the call shape is agreed
     if spmd.get_rank() == 0:
-        time.sleep(0.5)  # rank 1 is inside its second all_reduce by now
+        from spmd.comm.health import watchdog
+
+        dog = watchdog.current()
+        assert dog is not None
+
+        def peer_inside() -> bool:  # rank 1's watchdog published that it started the group's second call
+            row = (dog.read_progress([1])[1] or {}).get("progress", {}).get(group.name)
+            return row is not None and row[0] >= 1
+
+        assert poll(peer_inside, 30, 0.02), "rank 1 never published its second all_reduce"
         try:
             spmd.all_gather_into_tensor(torch.empty(3), torch.ones(2), group=group)
         except ValueError as error:
@@ -128,8 +138,7 @@ def unwaited_async_op(group_timeout: float, op_timeout: float | None) -> str:
         called: list[float] = []
         work.add_done_callback(lambda w: called.append(time.monotonic() - start))
         future = work.get_future()
-        while not future.done() and time.monotonic() - start < 60:
-            time.sleep(0.02)
+        poll(future.done, 60, 0.02)
         elapsed = time.monotonic() - start
         try:
             future.wait()
@@ -480,9 +489,7 @@ def stale_and_fresh_announcements() -> dict[str, object]:
             number = dog.client.add(watchdog.CLOCK, 1)
             dog.client.set(watchdog.UNUSABLE_KEY.format(group=new.name), f"{number}|rank 1 gave up on it: now")
             dog.client.add(watchdog.UNUSABLE_COUNT, 1)
-    deadline = time.monotonic() + 10
-    while new.unusable is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    poll(lambda: new.unusable is not None, 10, 0.05)
     t = torch.ones(2)
     spmd.all_reduce(t, group=old)
     return {"old": old.unusable, "old_sum": t.tolist(), "new": new.unusable}

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
+
+from spmd.polling import poll
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -32,8 +33,5 @@ def alive(pid: int) -> bool:
 
 def wait_for(condition: Callable[[], object], timeout: float = 30.0, what: str = "the condition") -> None:
     """Poll ``condition`` until it holds; an AssertionError naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+    if not poll(condition, timeout, 0.01):
+        raise AssertionError(f"timed out waiting for {what}")

@@ -22,12 +22,14 @@ class FakeGroup:
         self.result = FakeGroup.first_result
         self.stopped: list[int] = []
         self.on_stop = lambda: None
+        self.polls = 0  # how often the agent's monitor loop looked at the workers
         FakeGroup.made.append(self)
 
     def start(self):
         pass
 
     def poll(self):
+        self.polls += 1
         return self.result
 
     def drain(self, timeout=10.0):
@@ -288,8 +290,7 @@ def test_losing_the_store_stops_the_workers_gracefully_and_says_so(monkeypatch, 
 
     def node0(rdzv):
         rdzv.join(1, 0, "node0")
-        wait_for(lambda: bool(FakeGroup.made))
-        time.sleep(0.2)
+        wait_for(lambda: FakeGroup.made and FakeGroup.made[-1].polls > 0)  # the agent watches its workers
         holder.clear()  # node 0's agent dies, and its store with it
 
     FakeGroup.first_result = (False, None)  # the workers run on

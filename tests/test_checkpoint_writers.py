@@ -115,11 +115,11 @@ def test_a_dead_savers_claim_is_taken_over_and_its_data_removed(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="freezes the holder with SIGSTOP")
-def test_a_frozen_savers_claim_expires_and_its_late_commit_fails(tmp_path, monkeypatch):
+def test_a_frozen_savers_claim_expires_and_its_late_commit_fails(tmp_path, spmd_setenv):
     """A holder that stops heartbeating (frozen, its pid alive) loses the claim after the TTL: the next saver
     takes over and commits; the holder, thawed, finds its claim gone and fails instead of committing."""
     path = str(tmp_path / "ckpt")
-    monkeypatch.setenv("SPMD_CHECKPOINT_CLAIM_TTL", "1")
+    spmd_setenv("SPMD_CHECKPOINT_CLAIM_TTL", "1")
     holder = _writer("hold", path, "1", SPMD_CHECKPOINT_CLAIM_TTL="1")
     try:
         _wait_for(f"{path}.ready", holder)

@@ -153,8 +153,8 @@ def test_mismatched_shapes_in_debug_mode(tmp_path, backend):
         assert "rank 0: all_reduce(float32; 4) SUM" in message and "rank 2: all_reduce(float32; 5) SUM" in message
 
 
-def test_dump_format_and_analysis_of_a_clean_run(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPMD_TRACE_DIR", str(tmp_path))
+def test_dump_format_and_analysis_of_a_clean_run(tmp_path, spmd_setenv):
+    spmd_setenv("SPMD_TRACE_DIR", str(tmp_path))
     spmd.init("gloo")
     try:
         t = torch.ones(3)
@@ -218,11 +218,11 @@ class _FinishedAtOnce(Backend):
         return Work.completed()
 
 
-def test_ops_that_succeed_at_once_are_recorded_and_described(monkeypatch):
+def test_ops_that_succeed_at_once_are_recorded_and_described(spmd_setenv):
     plugin = types.ModuleType("finished_at_once")
     plugin.spmd_backends = spmd.hookimpl(lambda: [BackendSpec("at-once", ("cpu",), factory=_FinishedAtOnce, description="test")])
     manager().register(plugin, name="finished-at-once")
-    monkeypatch.setenv("SPMD_WATCHDOG", "0")
+    spmd_setenv("SPMD_WATCHDOG", "0")
     spmd.init("at-once", rank=0, world_size=1, store=torch.distributed.HashStore(), torch_interop=False)
     try:
         t = torch.ones(2)

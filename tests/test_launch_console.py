@@ -65,7 +65,7 @@ def test_in_a_pipe_the_main_job_prints_lines_without_a_bar(tmp_path):
     assert "step/s" not in out and "done: 6 steps" in out, out[-3000:]
 
 
-def test_console_is_terminal_follows_the_stream_then_the_agents_word(monkeypatch):
+def test_console_is_terminal_follows_the_stream_then_the_agents_word(spmd_setenv):
     master, slave = pty.openpty()
     try:
         with os.fdopen(slave, "w", closefd=False) as terminal:
@@ -74,7 +74,7 @@ def test_console_is_terminal_follows_the_stream_then_the_agents_word(monkeypatch
         os.close(master)
         os.close(slave)
     with open(os.devnull, "w") as null:
-        monkeypatch.delenv(CONSOLE_VARIABLE, raising=False)
+        spmd_setenv(CONSOLE_VARIABLE, None)
         assert not console_is_terminal(null)
-        monkeypatch.setenv(CONSOLE_VARIABLE, "1")
+        spmd_setenv(CONSOLE_VARIABLE, "1")
         assert console_is_terminal(null)

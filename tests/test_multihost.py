@@ -83,11 +83,11 @@ def test_the_store_endpoint_is_read_through_every_prefix():
     assert is_loopback("127.0.1.1") and is_loopback("localhost") and not is_loopback("10.0.0.1")
 
 
-def test_an_interface_setting_that_names_no_interface_is_a_named_error(monkeypatch):
-    monkeypatch.setenv("SPMD_SOCKET_IFNAME", "nosuchif0")
+def test_an_interface_setting_that_names_no_interface_is_a_named_error(spmd_setenv):
+    spmd_setenv("SPMD_SOCKET_IFNAME", "nosuchif0")
     with pytest.raises(BackendUnavailableError, match="SPMD_SOCKET_IFNAME=nosuchif0 names no interface"):
         binding_towards("10.1.2.3", 29500)
-    monkeypatch.setenv("SPMD_SOCKET_IFNAME", "lo")
+    spmd_setenv("SPMD_SOCKET_IFNAME", "lo")
     assert binding_towards("10.1.2.3", 29500).address == "127.0.0.1"
 
 

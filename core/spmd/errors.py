@@ -47,6 +47,14 @@ class RendezvousUnreachableError(SpmdError, ConnectionError):
     """The rendezvous service of ``spmd run`` (an etcd cluster, the agents' store) cannot be reached or refused a request."""
 
 
+class WaitTimeoutError(SpmdError, TimeoutError):
+    """A condition ``spmd.polling.wait_until`` polled for did not hold within its timeout."""
+
+
+class SettingError(SpmdError, ValueError):
+    """An ``SPMD_*`` environment variable holds a value its setting does not accept (``spmd.settings``)."""
+
+
 class NotYetInSpmdError(SpmdError, ImportError):
     """A torch.distributed name that spmd's mirror module does not provide yet; the message names the closest spmd way.
 

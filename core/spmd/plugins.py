@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
-import os
 import threading
 import traceback
 import warnings
@@ -29,7 +28,7 @@ from typing import Any, TypeVar
 
 import pluggy
 
-from spmd import hookspecs
+from spmd import hookspecs, settings
 from spmd.markers import PROJECT
 
 ENTRY_POINT_GROUP = "spmd"
@@ -167,10 +166,6 @@ def _role(impl: pluggy.HookImpl) -> str:
     return "wrapper " if impl.wrapper or impl.hookwrapper else ""
 
 
-def _names(variable: str) -> set[str]:
-    return {n.strip() for n in os.environ.get(variable, "").split(",") if n.strip()}
-
-
 def _register(pm: PluginManager, info: PluginInfo, load: Callable[[], object]) -> None:
     pm.infos[info.name] = info
     if info.blocked:
@@ -192,7 +187,8 @@ def _register(pm: PluginManager, info: PluginInfo, load: Callable[[], object]) -
 
 
 def _load_all(pm: PluginManager) -> PluginManager:
-    blocked = _names(ENV_BLOCK)
+    read = settings.refresh()  # building the manager is an entry point: variables set since import count
+    blocked = read.block_plugins
     kernel_version = importlib.metadata.version("spmd") if _has_dist("spmd") else "dev"
     for module_name in BUILTIN_PLUGINS:
         info = PluginInfo(
@@ -205,8 +201,8 @@ def _load_all(pm: PluginManager) -> PluginManager:
         )
         _register(pm, info, functools.partial(importlib.import_module, module_name))
 
-    autoload = os.environ.get(ENV_DISABLE_AUTOLOAD, "").lower() not in ("1", "true", "yes")
-    enabled = _names(ENV_ENABLE)
+    autoload = not read.disable_plugin_autoload
+    enabled = read.plugins
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         if not autoload and ep.name not in enabled:
             continue

@@ -7,18 +7,16 @@ slow between arriving at init and starting its watchdog would be.
 import json
 import os
 import sys
-import time
 
 import spmd
 from spmd.comm.health import watchdog
+from spmd.polling import poll
 
 real_start = watchdog.start
 
 
 def late_start(store, *args, **kwargs):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + 30
-    while int(store.add(watchdog.UNUSABLE_COUNT, 0)) < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    poll(lambda: int(store.add(watchdog.UNUSABLE_COUNT, 0)) >= 1, 30, 0.01)
     return real_start(store, *args, **kwargs)
 
 
@@ -32,9 +30,7 @@ if spmd.get_rank() == 0:
     store.wait(["late_watchdog/done"])  # rank 0 hosts the store: stay until rank 1 has looked
     result = {"rank": 0}
 else:
-    deadline = time.monotonic() + 10
-    while world.unusable is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    poll(lambda: world.unusable is not None, 10, 0.05)
     store.set("late_watchdog/done", "1")
     result = {"rank": 1, "unusable": world.unusable}
 print("RESULT " + json.dumps(result), flush=True)

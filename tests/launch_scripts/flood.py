@@ -3,7 +3,8 @@ argv[2]/go exists (at most 60 s later): a job whose log files the test measures 
 
 import os
 import sys
-import time
+
+from spmd.polling import poll
 
 lines, folder = int(sys.argv[1]), sys.argv[2]
 out = sys.stdout
@@ -11,6 +12,4 @@ for i in range(lines):
     out.write(f"line {i:>12} ".ljust(99, "x") + "\n")
 out.flush()
 open(os.path.join(folder, "printed"), "w").close()
-deadline = time.monotonic() + 60
-while not os.path.exists(os.path.join(folder, "go")) and time.monotonic() < deadline:
-    time.sleep(0.02)
+poll(lambda: os.path.exists(os.path.join(folder, "go")), 60, 0.02)

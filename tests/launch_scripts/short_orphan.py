@@ -4,12 +4,11 @@ Exits 0 once the orphan is gone from /proc, 1 if it is still there (a zombie) 10
 import os
 import subprocess
 import sys
-import time
+
+from spmd.polling import poll
 
 pid = int(subprocess.run(["sh", "-c", "sleep 0.1 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True).stdout)
-deadline = time.monotonic() + 10
-while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-    time.sleep(0.02)
+poll(lambda: not os.path.exists(f"/proc/{pid}"), 10, 0.02)
 if os.path.exists(f"/proc/{pid}"):
     with open(f"/proc/{pid}/stat") as f:
         print(f"orphan {pid} is still there: {f.read()}", file=sys.stderr)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from spmd.polling import poll
+
 folder, how = sys.argv[1], sys.argv[2]
 rank = os.environ["RANK"]
 quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
@@ -25,9 +27,7 @@ parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n
                            "time.sleep(300)", grandchild_file], **quiet)
 orphan = int(subprocess.run(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, check=True).stdout)
 session = subprocess.Popen(["sleep", "300"], start_new_session=True, **quiet)
-deadline = time.monotonic() + 60
-while not os.path.exists(grandchild_file) and time.monotonic() < deadline:
-    time.sleep(0.01)
+poll(lambda: os.path.exists(grandchild_file), 60, 0.01)
 with open(grandchild_file) as f:
     grandchild = int(f.read())
 pids = {"worker": os.getpid(), "child": child.pid, "parent": parent.pid, "grandchild": grandchild, "orphan": orphan, "session": session.pid}

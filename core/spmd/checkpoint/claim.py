@@ -28,6 +28,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from spmd import settings
 from spmd.checkpoint.metadata import CheckpointError
 from spmd.checkpoint.storage import Storage, open_storage
 
@@ -44,8 +45,7 @@ class CheckpointInUseError(CheckpointError):
 
 def claim_ttl() -> float:
     """The claim TTL in seconds: ``SPMD_CHECKPOINT_CLAIM_TTL`` or ``DEFAULT_TTL``."""
-    value = os.environ.get("SPMD_CHECKPOINT_CLAIM_TTL")
-    return float(value) if value else DEFAULT_TTL
+    return settings.current().checkpoint_claim_ttl
 
 
 def _read_text(path: str) -> str:
@@ -127,7 +127,7 @@ class Holder:
 
 def _new_holder(data_dir: str) -> Holder:
     now = time.time()
-    job = os.environ.get("SPMD_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
+    job = settings.current().run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
     return Holder(uuid.uuid4().hex, job, machine(), os.getpid(), _process_start(os.getpid()), now, now, data_dir)
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
-import os
 import socket
 import struct
 from dataclasses import dataclass
 from typing import Any
 
+from spmd import settings
 from spmd.errors import BackendUnavailableError
 
 #: The spmd setting that names the interface every backend binds to (a backend's own variable, e.g. GLOO_SOCKET_IFNAME, still wins).
@@ -111,7 +111,7 @@ def _interfaces() -> str:
 
 def binding_towards(host: str, port: int) -> Binding:
     """Where to bind for a job whose store is at ``host:port``: ``SPMD_SOCKET_IFNAME``, else the route's source."""
-    named = os.environ.get(SOCKET_IFNAME_ENV)
+    named = settings.current().socket_ifname
     if named:
         address = interface_address(named)
         if address is None:
@@ -132,7 +132,7 @@ def binding_for_store(store: Any) -> Binding:
     """Where a backend built on ``store`` (a BackendContext's) binds: see ``binding_towards``."""
     endpoint = store_endpoint(store)
     if endpoint is None:
-        if os.environ.get(SOCKET_IFNAME_ENV):
+        if settings.current().socket_ifname:
             return binding_towards("", 0)
         return Binding(None, None, "the job's store is not a TCP store (a file or in-process store): the backend's default address")
     return binding_towards(*endpoint)
@@ -140,7 +140,7 @@ def binding_for_store(store: Any) -> Binding:
 
 def job_store_endpoint() -> tuple[str, int] | None:
     """The job's store as this process's launcher environment names it (``spmd run``'s agent, else MASTER_ADDR:PORT), or None."""
-    agent = os.environ.get("SPMD_AGENT_STORE")
+    agent = settings.current().agent_store
     if agent and agent.rpartition(":")[2].isdigit():
         host, _, port = agent.rpartition(":")
         return host, int(port)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from spmd import settings
 from spmd.comm import state, teardown
 from spmd.comm.group import ProcessGroup, forget_group_names
 from spmd.comm.health.watchdog import world_baseline
@@ -34,8 +35,8 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 def _default_timeout() -> timedelta:
-    value = os.environ.get("SPMD_TIMEOUT")
-    return timedelta(seconds=float(value)) if value else DEFAULT_TIMEOUT
+    value = settings.current().timeout
+    return timedelta(seconds=value) if value is not None else DEFAULT_TIMEOUT
 
 
 def _resolve_world(init_method: str | None, rank: int, world_size: int) -> tuple[int, int, str, int]:
@@ -67,7 +68,7 @@ def _resolve_world(init_method: str | None, rank: int, world_size: int) -> tuple
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world size {world_size}: ranks are 0..{world_size - 1}")
-    if port == 0 and world_size > 1 and not (init_method or "").startswith("file://") and not os.environ.get("SPMD_AGENT_STORE"):
+    if port == 0 and world_size > 1 and not (init_method or "").startswith("file://") and not settings.current().agent_store:
         raise SpmdError(
             f"spmd.init(rank={rank}, world_size={world_size}) has no rendezvous address: set MASTER_ADDR and "
             "MASTER_PORT in the environment (as torch's env:// does, e.g. MASTER_ADDR=127.0.0.1 "
@@ -91,14 +92,14 @@ def _agent_store(endpoint: str, timeout: timedelta) -> tdist.Store:
             f"could not reach the spmd run agent's store at {endpoint} (SPMD_AGENT_STORE) within "
             f"{timeout.total_seconds():.0f} s ({error}); is the agent still running?"
         ) from error
-    return tdist.PrefixStore(os.environ.get("SPMD_STORE_PREFIX", "spmd/job"), job_scope(client))
+    return tdist.PrefixStore(settings.current().store_prefix, job_scope(client))
 
 
 def _make_store(
     init_method: str | None, rank: int, world_size: int, addr: str, port: int, timeout: timedelta
 ) -> tuple[tdist.Store, str | None]:
     """The job's store, and who hosts it, as errors name it when it is gone (None: not known)."""
-    agent = os.environ.get("SPMD_AGENT_STORE")
+    agent = settings.current().agent_store
     if agent and init_method in (None, "env://"):
         return _agent_store(agent, timeout), f"the `spmd run` agent's process ({agent})"
     if init_method and init_method.startswith("file://"):
@@ -172,6 +173,7 @@ def init_process_group(
         if interop.started_by_torch():
             return state.get_state().world  # torch.distributed.init_process_group("spmd") started it
         raise SpmdError("spmd is already initialised; call spmd.destroy_process_group() before init again")
+    settings.refresh()  # an entry point: variables set since import count (spmd.settings)
     timeout = _as_timedelta(timeout) or _default_timeout()
     backend_map = parse_backend_string(backend)
     if backend_map is not None:
@@ -227,6 +229,7 @@ def _start_debugging(store: tdist.Store, rank: int, trace_dir: str | os.PathLike
     desync.refresh()
     if trace_dir is not None:
         os.environ["SPMD_TRACE_DIR"] = str(trace_dir)
+        settings.refresh()
     recorder.world_view = state.world_view  # (what a dump says of the world: debug/ sits below comm and reads no state)
     watchdog.start(store, rank, state.member_groups, store_host, baseline)
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):

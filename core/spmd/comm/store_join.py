@@ -29,6 +29,7 @@ import torch.distributed as tdist
 
 from spmd.comm.tcp_store import host_tcp_store
 from spmd.errors import SpmdError, first_line
+from spmd.polling import poll
 
 #: Where each rank marks its arrival (under the job's store, next to the world's other keys).
 ARRIVED = "spmd/arrived/"
@@ -82,15 +83,16 @@ def client_store(addr: str, port: int, world_size: int | None, timeout: timedelt
     """
     seconds = timeout.total_seconds()
     deadline = time.monotonic() + seconds
-    pause = 0.02
-    while (found := _probe(addr, port, max(deadline - time.monotonic(), 0.1))) == "absent":
-        if time.monotonic() >= deadline:
-            raise SpmdError(
-                f"nothing listens at {addr}:{port} after {seconds:.0f} s: rank 0, which hosts the job's store "
-                "there, has not started (or failed before it could), or MASTER_ADDR/MASTER_PORT point elsewhere"
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.2)
+    def probe() -> str | None:
+        found = _probe(addr, port, max(deadline - time.monotonic(), 0.1))
+        return None if found == "absent" else found
+
+    found = poll(probe, seconds, 0.02, backoff=2, max_interval=0.2)
+    if found is None:
+        raise SpmdError(
+            f"nothing listens at {addr}:{port} after {seconds:.0f} s: rank 0, which hosts the job's store "
+            "there, has not started (or failed before it could), or MASTER_ADDR/MASTER_PORT point elsewhere"
+        )
     if found == "silent":
         raise SpmdError(
             f"connected to {addr}:{port}, but nothing answered there as a store within {seconds:.0f} s: another "
@@ -147,17 +149,11 @@ def await_arrivals(store: tdist.Store, rank: int, world_size: int, timeout: time
     keys = [f"{ARRIVED}{r}" for r in range(world_size)]
     seconds = timeout.total_seconds()
     deadline = time.monotonic() + seconds + (2.0 if rank == 0 else 0.0)
-    pause = 0.005
     try:
         store.set(keys[rank], "1")
-        while not store.check(keys):
-            if time.monotonic() >= deadline:
-                missing = [r for r, key in enumerate(keys) if not store.check([key])]
-                break
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
-        else:
+        if poll(lambda: store.check(keys), deadline - time.monotonic(), 0.005, backoff=2, max_interval=0.1):
             return
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
     except Exception as error:  # noqa: BLE001 - the store itself is gone
         first = first_line(error)
         raise SpmdError(

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch.distributed as tdist
 
+from spmd import settings
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 #: The job token's environment variable (``spmd run --rdzv-token`` sets it for its workers).
@@ -35,7 +37,7 @@ def job_scope(store: tdist.Store, token: str | None = None) -> tdist.Store:
     token hides the keys; it does not encrypt the traffic (see the README's
     security section).
     """
-    token = token if token is not None else os.environ.get(TOKEN_ENV)
+    token = token if token is not None else settings.current().rdzv_token
     if not token:
         return store
     return tdist.PrefixStore(f"job-{hashlib.sha256(token.encode()).hexdigest()}/", store)

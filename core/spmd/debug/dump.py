@@ -23,13 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spmd import settings
 from spmd.debug.recorder import recorder
 
 dump_format_version = 1
 
 
 def trace_dir() -> Path:
-    return Path(os.environ.get("SPMD_TRACE_DIR") or "spmd_traces")
+    return Path(settings.current().trace_dir)
 
 
 def dump(reason: str = "requested", directory: str | os.PathLike | None = None) -> Path | None:

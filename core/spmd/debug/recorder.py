@@ -12,13 +12,14 @@ kept alongside for the watchdog.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from spmd import settings
 
 STATES = ("scheduled", "started", "completed", "failed")
 #: Entries kept per group for the always-on mismatch check (the watchdog reads them every 0.2 s).
@@ -145,7 +146,7 @@ class FlightRecorder:
         #           the group's last HISTORY Entries and Records (for the always-on mismatch check, spmd.comm.health.history)]
         self.progress: dict[str, list[Any]] = {}
         #: Whether each group's recent Entries are kept for the mismatch check (``SPMD_HISTORY_CHECK``).
-        self.keep_history = os.environ.get("SPMD_HISTORY_CHECK", "1") not in ("", "0", "false")
+        self.keep_history = settings.current().history_check
         #: group -> [point-to-point calls so far, the last HISTORY of them as P2PCall tuples, calls so far per
         #: (op, peer, tag)]: what the always-on check pairs with the peers' calls (spmd.comm.health.p2p_check)
         self.p2p_calls: dict[str, list[Any]] = {}
@@ -282,4 +283,4 @@ class FlightRecorder:
         self.entries = collections.deque(self.entries, maxlen=max(capacity, 1))
 
 
-recorder = FlightRecorder(int(os.environ.get("SPMD_FLIGHT_RECORDER", "2000")))
+recorder = FlightRecorder(settings.current().flight_recorder)

@@ -10,13 +10,13 @@ initialises torch's default group with backend ``"spmd"`` on its own world.
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as tdist
 from torch.distributed import distributed_c10d as c10d
 
+from spmd import settings
 from spmd.comm import state
 from spmd.comm.group import ProcessGroup
 from spmd.interop.process_group import SpmdProcessGroup
@@ -36,10 +36,10 @@ def started_by_torch() -> bool:
 
 
 def interop_requested(torch_interop: bool | None) -> bool:
-    """``torch_interop`` if given, else SPMD_TORCH_INTEROP (on unless "0", "false", "no" or "off")."""
+    """``torch_interop`` if given, else SPMD_TORCH_INTEROP (on unless "0", "false", "no" or "off"; spmd.settings)."""
     if torch_interop is not None:
         return torch_interop
-    return os.environ.get("SPMD_TORCH_INTEROP", "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.current().torch_interop
 
 
 def register() -> None:

@@ -7,6 +7,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+from spmd import settings
+from spmd.errors import SettingError
 from spmd.launch.logs import TEMP_LOG_MIB, temp_log_bytes
 from spmd.launch.rdzv_backends import canonical
 
@@ -178,6 +180,10 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def to_config(ns: argparse.Namespace) -> RunConfig:
     """Validate parsed arguments into a RunConfig."""
+    try:
+        settings.refresh()  # an entry point: the SPMD_* variables as they are now (spmd.settings)
+    except SettingError as error:
+        raise SystemExit(f"spmd run: {error}") from None
     low, high = _nodes(ns.nnodes)
     conf = _rdzv_conf(ns.rdzv_conf)
     nproc = _nproc(str(ns.nproc_per_node))
@@ -216,7 +222,7 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         stop_grace=ns.stop_grace if ns.shutdown_timeout is None else ns.shutdown_timeout,
         master_addr=ns.master_addr,
         signals=_signals(ns.signals_to_handle),
-        rdzv_token=ns.rdzv_token or os.environ.get("SPMD_RDZV_TOKEN") or None,
+        rdzv_token=ns.rdzv_token or settings.current().rdzv_token,
         temp_log_bytes=temp_log_bytes(),
         rdzv_backend=backend,
     )

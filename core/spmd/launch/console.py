@@ -9,9 +9,10 @@ whether to draw a progress bar, as it would under torchrun.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TextIO
+
+from spmd import settings
 
 #: Set to "1" by ``spmd run`` for its workers when its own console (stderr) is a terminal.
 CONSOLE_VARIABLE = "SPMD_CONSOLE_IS_TERMINAL"
@@ -25,7 +26,7 @@ def console_is_terminal(stream: TextIO | None = None) -> bool:
             return True
     except (AttributeError, ValueError):  # a closed or replaced stream
         pass
-    return os.environ.get(CONSOLE_VARIABLE) == "1"
+    return settings.current().console_is_terminal
 
 
 def agent_console_is_terminal() -> bool:

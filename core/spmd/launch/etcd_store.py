@@ -10,13 +10,13 @@ last agent to leave a finished job revokes it at once.
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import torch.distributed as tdist
 
 from spmd.errors import SpmdError
 from spmd.launch.etcd_client import NOT_FOUND, EtcdClient, EtcdRequestError, KeyValue, b64
+from spmd.polling import poll
 
 #: Seconds the job's keys outlive the last agent that kept them alive.
 LEASE_TTL = 30
@@ -97,15 +97,11 @@ class EtcdStore(tdist.Store):
 
     def get(self, key: str) -> bytes:  # type: ignore[override]
         """The value, waiting (at most the store's timeout) for another agent to set it."""
-        deadline = time.monotonic() + self.wait_timeout
-        while True:
-            found = self.client.get(self._key(key))
-            if found is not None:
-                return found.value
-            if time.monotonic() > deadline:
-                raise SpmdError(f"rendezvous key {key!r} was not set within {self.wait_timeout:.0f} s on etcd at "
-                                f"{self.client.describe()}: the agent that should set it may have died; start the job again")
-            time.sleep(GET_POLL)
+        found = poll(lambda: self.client.get(self._key(key)), self.wait_timeout, GET_POLL)
+        if found is None:
+            raise SpmdError(f"rendezvous key {key!r} was not set within {self.wait_timeout:.0f} s on etcd at "
+                            f"{self.client.describe()}: the agent that should set it may have died; start the job again")
+        return found.value
 
     def add(self, key: str, amount: int) -> int:  # type: ignore[override]
         full = self._key(key)

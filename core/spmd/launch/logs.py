@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from spmd import settings
+
 if TYPE_CHECKING:
     from spmd.launch.args import RunConfig
 
@@ -91,11 +93,5 @@ def open_log(config: RunConfig, path: Path, redirected: bool) -> LogFile:
 
 def temp_log_bytes() -> int:
     """The bound on each temp --tee log file, from SPMD_RUN_TEMP_LOG_MIB (default TEMP_LOG_MIB)."""
-    text = os.environ.get("SPMD_RUN_TEMP_LOG_MIB", "").strip()
-    try:
-        mib = float(text) if text else TEMP_LOG_MIB
-    except ValueError:
-        mib = -1.0
-    if not mib > 0:
-        raise SystemExit(f"spmd run: SPMD_RUN_TEMP_LOG_MIB={text!r}: give the MiB to keep of each temp --tee log file, e.g. 16")
-    return int(mib * 2**20)
+    mib = settings.current().run_temp_log_mib
+    return int((mib if mib is not None else TEMP_LOG_MIB) * 2**20)

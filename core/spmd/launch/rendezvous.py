@@ -29,6 +29,7 @@ import torch.distributed as tdist
 from spmd.comm.address import route_source
 from spmd.comm.tcp_store import host_tcp_store
 from spmd.errors import SpmdError
+from spmd.polling import poll
 
 
 @dataclass(frozen=True)
@@ -157,16 +158,19 @@ class Rendezvous:
             return self._membership(round_, index, members)
 
     def _wait(self, condition, deadline: float, what: str) -> None:  # type: ignore[no-untyped-def]
-        while not condition():
+        def met() -> bool:
+            if condition():
+                return True
             reason = self.shutdown_requested()
             if reason:
                 raise SpmdError(f"rendezvous aborted: {reason}")
-            if time.monotonic() > deadline:
-                raise SpmdError(
-                    f"rendezvous timed out after {self.timeout:.0f} s waiting for {what}; "
-                    f"are --nnodes ({self.min_nodes}:{self.max_nodes}) agents started with the same --rdzv-id?"
-                )
-            time.sleep(self.poll)
+            return False
+
+        if not poll(met, deadline - time.monotonic(), self.poll):
+            raise SpmdError(
+                f"rendezvous timed out after {self.timeout:.0f} s waiting for {what}; "
+                f"are --nnodes ({self.min_nodes}:{self.max_nodes}) agents started with the same --rdzv-id?"
+            )
 
     def _wait_closed(self, round_: int, index: int, deadline: float) -> int | None:
         last_count, last_change = -1, time.monotonic()

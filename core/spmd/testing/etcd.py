@@ -10,16 +10,17 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
+from spmd import settings
+from spmd.polling import poll
 from spmd.testing.ports import free_port
 
 
 def find_etcd() -> str | None:
     """The etcd binary to run, or None if none is installed."""
-    explicit = os.environ.get("SPMD_ETCD_BINARY")
+    explicit = settings.current().etcd_binary
     if explicit:
         return explicit if os.access(explicit, os.X_OK) else None
     try:
@@ -66,15 +67,19 @@ class EtcdServer:
              "--unsafe-no-fsync"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
         )
-        deadline = time.monotonic() + self.start_timeout
-        while not self._healthy():
-            if self.proc.poll() is not None:
-                error = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise RuntimeError(f"etcd ({self.binary}) exited with code {self.proc.returncode} at start: {error[-2000:]}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"etcd ({self.binary}) did not answer at {self.endpoint} within {self.start_timeout:.0f} s")
-            time.sleep(0.05)
+        if not poll(self._healthy_or_exited, self.start_timeout, 0.05):
+            self.stop()
+            raise RuntimeError(f"etcd ({self.binary}) did not answer at {self.endpoint} within {self.start_timeout:.0f} s")
+
+    def _healthy_or_exited(self) -> bool:
+        """Whether the server answers; raises if it exited."""
+        if self._healthy():
+            return True
+        proc = self.proc
+        if proc is not None and proc.poll() is not None:
+            error = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            raise RuntimeError(f"etcd ({self.binary}) exited with code {proc.returncode} at start: {error[-2000:]}")
+        return False
 
     def _healthy(self) -> bool:
         try:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from spmd.errors import SpmdError
+from spmd.polling import poll
 
 #: Every namespace of the test bed starts with this (then the creating pid, "x", a serial).
 PREFIX = "spmdh"
@@ -269,14 +270,14 @@ def _await_links(hosts: Hosts, timeout: float = 10.0) -> None:
     """Wait until every node's eth0 has carrier (a veth comes up asynchronously)."""
     deadline = time.monotonic() + timeout
     for node in hosts.nodes:
-        while True:
-            state = subprocess.run([_tool("ip"), "-n", node.netns, "-o", "link", "show", node.interface],
-                                   capture_output=True, text=True, timeout=10).stdout
-            if "LOWER_UP" in state:
-                break
-            if time.monotonic() > deadline:
-                raise TestBedUnavailable(f"{node.hostname}'s link did not come up within {timeout:.0f} s: {state.strip()}")
-            time.sleep(0.05)
+        if not poll(lambda node=node: "LOWER_UP" in _link_state(node), deadline - time.monotonic(), 0.05):  # type: ignore[misc]
+            raise TestBedUnavailable(f"{node.hostname}'s link did not come up within {timeout:.0f} s: {_link_state(node).strip()}")
+
+
+def _link_state(node: Node) -> str:
+    """``ip link show`` of the node's interface, one line."""
+    return subprocess.run([_tool("ip"), "-n", node.netns, "-o", "link", "show", node.interface],
+                          capture_output=True, text=True, timeout=10).stdout
 
 
 @contextmanager

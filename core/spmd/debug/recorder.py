@@ -146,7 +146,7 @@ class FlightRecorder:
         #           the group's last HISTORY Entries and Records (for the always-on mismatch check, spmd.comm.health.history)]
         self.progress: dict[str, list[Any]] = {}
         #: Whether each group's recent Entries are kept for the mismatch check (``SPMD_HISTORY_CHECK``).
-        self.keep_history = settings.current().history_check
+        self.keep_history = settings.at_import().history_check
         #: group -> [point-to-point calls so far, the last HISTORY of them as P2PCall tuples, calls so far per
         #: (op, peer, tag)]: what the always-on check pairs with the peers' calls (spmd.comm.health.p2p_check)
         self.p2p_calls: dict[str, list[Any]] = {}
@@ -283,4 +283,4 @@ class FlightRecorder:
         self.entries = collections.deque(self.entries, maxlen=max(capacity, 1))
 
 
-recorder = FlightRecorder(settings.current().flight_recorder)
+recorder = FlightRecorder(settings.at_import().flight_recorder)

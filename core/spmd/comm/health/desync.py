@@ -21,8 +21,8 @@ from spmd.errors import CollectiveDesyncError, CollectiveError, CollectiveTimeou
 from spmd.polling import poll
 
 
-def _read_switch() -> bool:
-    return settings.current().desync_check
+def _read_switch() -> bool:  # (at import: a malformed value is named by spmd.init, not by the import)
+    return settings.at_import().desync_check
 
 
 #: Whether checks are on (``SPMD_DESYNC_CHECK``; read at import and at each ``spmd.init``).
@@ -33,7 +33,7 @@ on: bool = _read_switch()
 def refresh() -> None:
     """Re-read ``SPMD_DESYNC_CHECK``."""
     global on
-    on = _read_switch()
+    on = settings.current().desync_check
 
 
 def check(

@@ -117,7 +117,7 @@ def _start(num_workers: int, resources: Mapping[str, float], strategy: str, star
             f"{start_timeout:.0f} s; it has {ray.available_resources()} free. Ask for fewer workers or resources, "
             "add nodes, or raise start_timeout") from None
     worker_cls = ray.remote(_Worker)
-    actors = [worker_cls.options(**_actor_options(resources), scheduling_strategy=PlacementGroupSchedulingStrategy(
+    actors: list[Any] = [worker_cls.options(**_actor_options(resources), scheduling_strategy=PlacementGroupSchedulingStrategy(
         group, placement_group_bundle_index=i)).remote() for i in range(num_workers)]
     placed = _Placed(group, actors, [])
     refs = [actor.where.remote() for actor in actors]

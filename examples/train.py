@@ -66,7 +66,7 @@ from spmd.pipeline import PipelineStage, get_schedule, split_module
 from spmd.tensor import DTensor
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp", help="data parallel or fully sharded")
@@ -93,7 +93,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("checkpoints/train_final.pt"))
     checkpointing.add_arguments(parser)  # --save-every K --checkpoint-dir DIR --resume
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def learning_rate(step: int, args: argparse.Namespace) -> float:
@@ -210,10 +210,15 @@ def evaluate(model: torch.nn.Module, data: torch.Tensor, args: argparse.Namespac
     return total.item() / batches
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """Train as this command line (``argv``, default sys.argv) says; this rank's losses, by step, and validation loss.
+
+    A callable, so that other launchers run it too (examples/train_ray.py: Ray workers).
+    """
+    args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    spmd.init()  # rank and world size from the launcher's environment (a world of one without it)
+    if not spmd.is_initialized():  # a launcher may have joined already (spmd.integrations.ray with backend=)
+        spmd.init()  # rank and world size from the launcher's environment (a world of one without it)
     rank, world = spmd.get_rank(), spmd.get_world_size()
     leader = rank == 0
 
@@ -293,6 +298,7 @@ def main() -> None:
     # noise; the --log-every lines print either way
     bar = tqdm(total=args.steps, disable=not (leader and console_is_terminal()), unit="step", dynamic_ncols=True)
     first_loss = last_loss = float("nan")
+    losses: dict[int, float] = {}
     first_step = checkpointing.resume(args, model, optimizer, generator)
     bar.update(first_step)
     start = time.perf_counter()  # after the resume: the rate is over the steps this run trains
@@ -313,7 +319,7 @@ def main() -> None:
         clip(model.parameters(), 1.0)
         optimizer.step()
         checkpointing.maybe_save(args, step, model, optimizer, generator)
-        last_loss = as_plain(loss).item()  # this rank's loss on its own batch
+        last_loss = losses[step] = as_plain(loss).item()  # this rank's loss on its own batch
         if step == first_step:
             first_loss = last_loss
         tokens_per_s = tokens_per_step / (time.perf_counter() - step_start)
@@ -362,6 +368,7 @@ def main() -> None:
         torch.save(state, args.out)  # plain keys: CharGPT(cfg).load_state_dict(...) reads it
         print(f"saved {args.out}")
     spmd.destroy_process_group()
+    return {"rank": rank, "losses": losses, "validation_loss": val_loss}
 
 
 if __name__ == "__main__":

@@ -63,6 +63,25 @@ class NotYetInSpmdError(SpmdError, ImportError):
     """
 
 
+class MissingDependencyError(SpmdError, ImportError):
+    """An optional part of spmd needs a package that is not installed; the message names the pip extra."""
+
+
+class WorkerTimeoutError(SpmdError, TimeoutError):
+    """A job's workers were not placed, started or finished within the time they were given (e.g. on a full Ray cluster)."""
+
+
+class WorkerFailedError(SpmdError):
+    """A worker of a job raised or died: ``rank`` names it, the message says what it raised and what was tried."""
+
+    def __init__(self, message: str, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:  # picklable with its rank (Ray ships errors between processes)
+        return type(self), (str(self), self.rank)
+
+
 def first_line(error: BaseException) -> str:
     """An error's first line (C++ errors from torch carry a stack dump after it), or its type's name."""
     text = str(error)

@@ -175,7 +175,27 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add("--no-python", "--no_python", action="store_true", help="run the script as an executable, not with python")
     add("script", help="the training script (or module, or executable)")
     add("script_args", nargs=argparse.REMAINDER, help="arguments passed through to the script")
+    _pet_defaults(parser)
     return parser
+
+
+def _pet_defaults(parser: argparse.ArgumentParser) -> None:
+    """torchrun's environment defaults: ``PET_<FLAG>`` stands for an omitted flag (what Kubeflow Trainer sets).
+
+    E.g. PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT; a switch
+    such as PET_STANDALONE is 1 or 0. A flag on the command line wins, as with torchrun.
+    """
+    for action in parser._actions:
+        name = f"PET_{action.dest.upper()}"
+        value = os.environ.get(name)
+        if not action.option_strings or action.dest == "help" or value in (None, ""):
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            if value.strip() not in ("0", "1"):
+                raise SystemExit(f"spmd run: {name}={value!r} stands for {action.option_strings[0]}: use 1 (on) or 0 (off)")
+            action.default = value.strip() == "1"
+        else:
+            action.default = value  # a string: argparse converts it with the flag's type, as a typed value
 
 
 def to_config(ns: argparse.Namespace) -> RunConfig:

@@ -1,4 +1,4 @@
-"""Builtin plugin: detect how this process was launched (torchrun/spmd run, mpiexec, srun).
+"""Builtin plugin: detect how this process was launched (torchrun/spmd run, mpiexec, srun, Kubeflow).
 
 Each environment reads rank, world size and the rendezvous master from the
 variables its launcher sets; ``spmd.init()`` without arguments asks them in
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from spmd import hookspecs
+from spmd.errors import SpmdError
 from spmd.markers import hookimpl
 from spmd.registry import Registry
 
@@ -184,9 +185,37 @@ class KubernetesPyTorchJobEnvironment:
         return LaunchInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), 0, addr, port)
 
 
+class KubeflowTrainerEnvironment:
+    """Kubeflow Trainer's torch runtime, one process per node: PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR/PORT.
+
+    The trainer sets torchrun's ``PET_*`` defaults in each node's pod; under
+    ``spmd run`` or torchrun the launcher reads them and its workers' own
+    variables win (higher priority). This is for ``python train.py`` alone in
+    the pod, which is a job of one process per node (PET_NPROC_PER_NODE 1).
+    """
+
+    name = "kubeflow-trainer"
+    priority = 45
+
+    def detect(self) -> bool:
+        return "PET_NNODES" in os.environ and "PET_NODE_RANK" in os.environ
+
+    def launch_info(self) -> LaunchInfo:
+        nproc, nnodes = os.environ.get("PET_NPROC_PER_NODE") or "1", os.environ["PET_NNODES"]
+        if nproc != "1" or not nnodes.isdigit():
+            raise SpmdError(
+                f"Kubeflow Trainer asks for PET_NNODES={nnodes} PET_NPROC_PER_NODE={nproc}, but this process was "
+                "started alone, without a launcher: run `spmd run train.py` in the pod (it reads the PET_* "
+                "variables as torchrun does), or set the trainer's numProcPerNode to 1 and a fixed node count")
+        addr = os.environ.get("PET_MASTER_ADDR") or "127.0.0.1"
+        port = int(os.environ.get("PET_MASTER_PORT") or DEFAULT_MASTER_PORT)
+        return LaunchInfo(int(os.environ["PET_NODE_RANK"]), int(nnodes), 0, addr, port)
+
+
 @hookimpl
 def spmd_cluster_environments() -> Iterable[object]:
-    return [TorchrunEnvironment(), KubernetesPyTorchJobEnvironment(), MpiEnvironment(), SlurmEnvironment()]
+    return [TorchrunEnvironment(), KubernetesPyTorchJobEnvironment(), MpiEnvironment(), SlurmEnvironment(),
+            KubeflowTrainerEnvironment()]
 
 
 def _is_environment(env: object) -> bool:

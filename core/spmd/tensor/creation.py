@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from spmd.mesh import DeviceMesh
-from spmd.tensor.dtensor import DTensor, _default_mesh, distribute_tensor
+from spmd.mesh import DeviceMesh, default_mesh
+from spmd.tensor.dtensor import DTensor, distribute_tensor
 from spmd.tensor.placements import Placement, Replicate
 from spmd.tensor.spec import (
     DTensorSpec,
@@ -40,7 +40,7 @@ def _layout(
     if layout != torch.strided:
         raise ValueError(f"DTensor factories make strided tensors only (got layout={layout})")
     shape = _size(size)
-    mesh = device_mesh if device_mesh is not None else _default_mesh(torch.empty(0))
+    mesh = device_mesh if device_mesh is not None else default_mesh(torch.empty(0).device.type)
     chosen = placements if placements is not None else [Replicate()] * mesh.ndim
     return shape, mesh, normalize_placements(chosen, mesh, len(shape))
 

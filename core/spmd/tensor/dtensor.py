@@ -10,7 +10,7 @@ results. Autograd sees DTensors, so backward ops are dispatched the same way.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -25,8 +25,11 @@ from spmd.tensor.spec import (
     normalize_placements,
 )
 
-if TYPE_CHECKING:
-    from spmd.tensor.dispatch import Dispatcher
+
+class Dispatches(Protocol):
+    """What DTensor needs of its dispatcher (``spmd.tensor.dispatch.Dispatcher``): run one aten op."""
+
+    def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object: ...
 
 _CONJUGATE = torch._C.DispatchKey.Conjugate
 _NEGATIVE = torch._C.DispatchKey.Negative
@@ -40,7 +43,7 @@ class DTensor(torch.Tensor):
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
     #: Runs every aten op on DTensors (``spmd.tensor.dispatch.dispatcher``, which sets it when imported).
-    _dispatcher: ClassVar[Dispatcher]
+    _dispatcher: ClassVar[Dispatches]
     __slots__ = ("_local_tensor", "_spec")
 
     @staticmethod

@@ -145,7 +145,7 @@ class Dispatcher:
     """The owner of DTensor's dispatch state: plan caches, context overrides, fallback warnings, implicit replication.
 
     One per process (``dispatcher``, reachable as ``DTensor._dispatcher``); a
-    test may make its own to start from empty caches.
+    test may make its own to ``plan`` from empty caches.
     """
 
     def __init__(self) -> None:
@@ -196,12 +196,6 @@ class Dispatcher:
                     self.overrides.pop(op, None)
                 else:
                     self.overrides[op] = fn
-
-    def clear(self) -> None:
-        """Forget every cached plan (they are rebuilt on next use)."""
-        self._cache.clear()
-        self._direct.clear()
-        self._generation = None
 
     # -- dispatch ---------------------------------------------------------------------------------------
 

@@ -91,11 +91,12 @@ class DTensor(torch.Tensor):
             f"placements={self._spec.placements})"
         )
 
-    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool]]:
         return ["_local_tensor"], (self._spec, self.requires_grad)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any) -> DTensor:
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple[DTensorSpec, bool], outer_size: torch.Size,
+                             outer_stride: tuple[int, ...]) -> DTensor:
         spec, requires_grad = meta
         return DTensor(inner["_local_tensor"], spec, requires_grad=requires_grad)
 
@@ -208,7 +209,7 @@ class FromLocal(torch.autograd.Function):
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         spec: DTensorSpec = ctx.spec
         if isinstance(grad, DTensor):
             target = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
@@ -224,7 +225,7 @@ class _ToLocal(torch.autograd.Function):
         return dt._local_tensor.view_as(dt._local_tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
         spec: DTensorSpec = ctx.spec
         placements = ctx.grad_placements or spec.placements
         return DTensor(grad, spec.with_placements(placements)), None

@@ -65,18 +65,18 @@ def rotary_attention_heads_sharded() -> dict[str, Any]:
 
 def sweep_counts(names: list[str] | None, with_torch: bool, max_samples: int | None = None) -> dict[str, Any]:
     """The op_db sweep on spmd's DTensor and, ``with_torch``, on torch's (over spmd's ProcessGroup), same samples."""
-    from spmd.tensor import dispatch
+    from spmd.tensor.dispatch import dispatcher
 
     torch.set_num_threads(1)
     ops = opdb.op_infos(names)
     world = spmd.get_world_size()
-    warned = set(dispatch._warned)  # the fallback warns once per process: leave later tests in this world theirs
+    warned = set(dispatcher.warned)  # the fallback warns once per process: leave later tests in this world theirs
     try:
         ours = opdb.sweep(opdb.spmd_impl(), ops, world, max_samples=max_samples)
         theirs = opdb.sweep(opdb.torch_impl(), ops, world, max_samples=max_samples) if with_torch else None
     finally:
-        dispatch._warned.clear()
-        dispatch._warned.update(warned)
+        dispatcher.warned.clear()
+        dispatcher.warned.update(warned)
     return {
         "spmd": ours.summary(),
         "torch": theirs.summary() if theirs is not None else None,

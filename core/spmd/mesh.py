@@ -19,6 +19,7 @@ import torch
 
 from spmd.comm.group import ProcessGroup
 from spmd.comm.init import get_rank, get_world_size, new_group
+from spmd.errors import SpmdError
 
 BackendChoice = str | Mapping[str, str] | None
 
@@ -40,6 +41,24 @@ class DeviceMesh:
         _groups: dict[int, ProcessGroup] | None = None,
     ) -> None:
         ensure_world()
+        self._build(device_type, mesh, mesh_dim_names, backend, _groups, get_rank(), get_world_size())
+
+    @classmethod
+    def for_planning(cls, mesh: torch.Tensor | Sequence[Any], rank: int, *, device_type: str = "cpu",
+                     mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+        """The grid and ``rank``'s place in it, without a world: what planning reads (local shapes, rules,
+        redistribution plans), for tests and what-if questions. Asking it for a group is an error."""
+        made = cls.__new__(cls)
+        grid = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
+        made._build(device_type, grid, mesh_dim_names, None, None, rank, grid.numel())
+        made._planning_only = True
+        return made
+
+    #: Made by ``for_planning``: a shape without groups.
+    _planning_only = False
+
+    def _build(self, device_type: str, mesh: torch.Tensor | Sequence[Any], mesh_dim_names: Sequence[str] | None,
+               backend: BackendChoice, _groups: dict[int, ProcessGroup] | None, rank: int, world: int) -> None:
         grid = torch.as_tensor(mesh, dtype=torch.int64, device="cpu")
         if grid.ndim == 0:
             grid = grid.reshape(1)
@@ -50,11 +69,10 @@ class DeviceMesh:
         flat = grid.flatten().tolist()
         if len(set(flat)) != len(flat):
             raise ValueError(f"DeviceMesh: the mesh {grid.tolist()} lists a rank twice; list each rank once")
-        world = get_world_size()
         outside = [r for r in flat if not 0 <= r < world]
         if outside:
             raise ValueError(f"DeviceMesh: ranks {outside} are outside the world of {world} ranks (0..{world - 1})")
-        self._rank = get_rank()
+        self._rank = rank
         found = (grid == self._rank).nonzero()
         self._coordinate: tuple[int, ...] | None = tuple(found[0].tolist()) if len(found) else None
         self._backends = _backends_per_dim(backend, self.mesh_dim_names, grid.ndim)
@@ -105,6 +123,9 @@ class DeviceMesh:
             parent, kept = self._parent_dims
             group = self._groups[index] = parent.get_group(kept[index])
         if group is None:
+            if self._planning_only:
+                raise SpmdError(f"DeviceMesh.for_planning({self.mesh.tolist()}) has no groups: it plans, it does not "
+                                "communicate; build the mesh with spmd.init_device_mesh inside a world to run collectives")
             coordinate = list(self._require_coordinate("get_group"))
             coordinate[index] = slice(None)  # type: ignore[call-overload]
             ranks = self.mesh[tuple(coordinate)].tolist()
@@ -181,6 +202,7 @@ class DeviceMesh:
             return True
         return (
             isinstance(other, DeviceMesh)
+            and self._rank == other._rank  # (always so in one process; planning meshes may stand for other ranks)
             and self.device_type == other.device_type
             and self.mesh_dim_names == other.mesh_dim_names
             and self.mesh.shape == other.mesh.shape

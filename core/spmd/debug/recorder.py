@@ -107,6 +107,10 @@ class Entry(_RareFields):
         return entry
 
 
+#: Told of every op as it is recorded: (group, seq (-1 for point-to-point), op, shapes, dtypes).
+Observer = Callable[[str, int, str, Sequence[torch.Size], Sequence[torch.dtype]], None]
+
+
 #: A send or receive as the always-on check keeps it: (its number among the group's point-to-point calls
 #: on this rank, "send" or "recv", the peer's global rank, tag, its number among this rank's calls of that
 #: op, peer and tag (a send and the receive it meets have the same), dtype, element count).
@@ -156,6 +160,8 @@ class FlightRecorder:
         # async (entry, work, monotonic deadline, timeout) for the watchdog to poll and age
         self.outstanding: list[tuple[Entry, Any, float | None, float | None]] = []
         self.lock = threading.Lock()
+        #: Told of each op as it is recorded (``spmd.tensor.CommDebugMode`` counts them); empty: one test per op.
+        self.observers: list[Observer] = []
 
     def start(self, group: str, seq: int, op: str, tensors: Sequence[torch.Tensor], reduce_op: Any = None, peer: int | None = None,
               splits: tuple[Sequence[int], Sequence[int]] | None = None, *, done: bool = False,
@@ -180,6 +186,9 @@ class FlightRecorder:
             entry.t_end, entry.state = None, "started"
         if self.enabled:
             self.entries.append(entry)
+        if self.observers:
+            for observe in self.observers:
+                observe(group, seq, op, entry.shapes, entry.dtypes)
         if seq >= 0:
             progress = self.progress.get(group)
             if progress is None:
@@ -202,6 +211,9 @@ class FlightRecorder:
         record: Record = (group, seq, op, shapes, dtypes, reduce_op, _now())
         if self.enabled:
             self.entries.append(record)
+        if self.observers:
+            for observe in self.observers:
+                observe(group, seq, op, shapes, dtypes)
         progress = self.progress.get(group)
         if progress is None:
             self.progress[group] = progress = [seq, op, seq, op, record, collections.deque(maxlen=HISTORY)]

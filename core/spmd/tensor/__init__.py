@@ -10,6 +10,7 @@ from spmd._mirror import missing_names
 from spmd.mesh import DeviceMesh, init_device_mesh
 from spmd.tensor.creation import empty, full, ones, rand, randn, zeros
 from spmd.tensor.debug import CommDebugMode
+from spmd.tensor.dispatch import dispatcher as _dispatcher  # noqa: F401 - installs DTensor._dispatcher
 from spmd.tensor.dtensor import DTensor, distribute_tensor
 from spmd.tensor.module import distribute_module
 from spmd.tensor.placements import Partial, Placement, Replicate, Shard

@@ -2,7 +2,7 @@
 
 Uneven shards (``torch.chunk`` semantics) are padded to the largest piece for
 the transfer and trimmed after, so every backend sees equal-sized buffers.
-Each call reports itself to an active ``CommDebugMode``.
+An active ``CommDebugMode`` counts each (through the kernel's flight recorder).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import torch
 from spmd.comm import collectives
 from spmd.comm.group import ProcessGroup
 from spmd.comm.reduce_op import ReduceOp
-from spmd.tensor import debug
 
 
 def all_gather(local: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[int]) -> torch.Tensor:
@@ -24,7 +23,6 @@ def all_gather(local: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[i
         pad = list(local.shape)
         pad[dim] = step - local.size(dim)
         local = torch.cat([local, local.new_zeros(pad)], dim)
-    debug.record("all_gather", local.numel() * local.element_size() * n, group)
     if dim == 0:
         out = local.new_empty((n * step, *local.shape[1:]))
         collectives.all_gather_into_tensor(out, local, group=group)
@@ -39,7 +37,6 @@ def all_gather(local: torch.Tensor, dim: int, group: ProcessGroup, sizes: list[i
 def reduce_scatter(full: torch.Tensor, dim: int, group: ProcessGroup, op: ReduceOp, sizes: list[int]) -> torch.Tensor:
     """Reduce ``full`` over the group and keep this rank's ``torch.chunk`` piece along ``dim``."""
     step = max(sizes)
-    debug.record("reduce_scatter", full.numel() * full.element_size(), group)
     if dim == 0 and all(s == step for s in sizes):
         out = full.new_empty((step, *full.shape[1:]))
         collectives.reduce_scatter_tensor(out, full.contiguous(), op=op, group=group)
@@ -63,7 +60,6 @@ def reduce_scatter(full: torch.Tensor, dim: int, group: ProcessGroup, op: Reduce
 def all_reduce(local: torch.Tensor, group: ProcessGroup, op: ReduceOp) -> torch.Tensor:
     """The reduction of every rank's tensor, out of place."""
     out = local.clone(memory_format=torch.contiguous_format)
-    debug.record("all_reduce", out.numel() * out.element_size(), group)
     collectives.all_reduce(out, op=op, group=group)
     return out
 
@@ -88,7 +84,6 @@ def all_to_all(
         send[k].narrow(src_dim, 0, local.size(src_dim)).narrow(dst_dim, 0, size).copy_(local.narrow(dst_dim, offset, size))
         offset += size
     recv = torch.empty_like(send)
-    debug.record("all_to_all", send.numel() * send.element_size(), group)
     collectives.all_to_all_single(recv, send, group=group)
     pieces = [recv[k].narrow(src_dim, 0, src_sizes[k]).narrow(dst_dim, 0, dst_sizes[me]) for k in range(n)]
     return torch.cat(pieces, src_dim)
@@ -96,6 +91,5 @@ def all_to_all(
 
 def broadcast(tensor: torch.Tensor, group: ProcessGroup, src: int) -> torch.Tensor:
     """``tensor`` from group rank ``src`` on every rank (in place)."""
-    debug.record("broadcast", tensor.numel() * tensor.element_size(), group)
     collectives.broadcast(tensor, group_src=src, group=group)
     return tensor

@@ -12,12 +12,11 @@ then repeat each other.)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
-from spmd.mesh import DeviceMesh
-from spmd.tensor.dtensor import DTensor, _default_mesh, distribute_tensor
+from spmd.mesh import DeviceMesh, default_mesh
+from spmd.tensor.dtensor import DTensor, distribute_tensor
 from spmd.tensor.placements import Placement, Replicate
 from spmd.tensor.spec import (
     DTensorSpec,
@@ -26,26 +25,32 @@ from spmd.tensor.spec import (
     normalize_placements,
 )
 
+#: A size argument as torch's factories take it: ints, or one sequence of them (``zeros(2, 3)``, ``zeros((2, 3))``).
+Size = int | Sequence[int]
+#: A fill value.
+Number = bool | int | float | complex
 
-def _size(size: tuple[Any, ...]) -> tuple[int, ...]:
+
+def _size(size: tuple[Size, ...]) -> tuple[int, ...]:
     """torch's ``*size``: ints, or one sequence of ints."""
-    if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)):
-        size = tuple(size[0])
-    return tuple(int(s) for s in size)
+    first = size[0] if len(size) == 1 else None
+    if isinstance(first, (list, tuple, torch.Size)):
+        return tuple(int(s) for s in first)
+    return tuple(int(s) for s in size)  # type: ignore[arg-type]  # (ints, or something int() takes or names)
 
 
 def _layout(
-    size: tuple[Any, ...], device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None, layout: torch.layout
+    size: tuple[Size, ...], device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None, layout: torch.layout
 ) -> tuple[tuple[int, ...], DeviceMesh, tuple[Placement, ...]]:
     if layout != torch.strided:
         raise ValueError(f"DTensor factories make strided tensors only (got layout={layout})")
     shape = _size(size)
-    mesh = device_mesh if device_mesh is not None else _default_mesh(torch.empty(0))
+    mesh = device_mesh if device_mesh is not None else default_mesh(torch.empty(0).device.type)
     chosen = placements if placements is not None else [Replicate()] * mesh.ndim
     return shape, mesh, normalize_placements(chosen, mesh, len(shape))
 
 
-def _local(fill: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor], size: tuple[Any, ...],
+def _local(fill: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor], size: tuple[Size, ...],
            requires_grad: bool, dtype: torch.dtype | None, layout: torch.layout, device_mesh: DeviceMesh | None,
            placements: Sequence[Placement] | None) -> DTensor:
     shape, mesh, normalized = _layout(size, device_mesh, placements, layout)
@@ -55,25 +60,25 @@ def _local(fill: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Te
     return DTensor(local, spec, requires_grad=requires_grad)
 
 
-def zeros(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+def zeros(*size: Size, requires_grad: bool = False, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
           device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor of zeros (as ``torch.distributed.tensor.zeros``)."""
     return _local(lambda s, d, dev: torch.zeros(s, dtype=d, device=dev), size, requires_grad, dtype, layout, device_mesh, placements)
 
 
-def ones(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+def ones(*size: Size, requires_grad: bool = False, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
          device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor of ones (as ``torch.distributed.tensor.ones``)."""
     return _local(lambda s, d, dev: torch.ones(s, dtype=d, device=dev), size, requires_grad, dtype, layout, device_mesh, placements)
 
 
-def empty(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+def empty(*size: Size, requires_grad: bool = False, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
           device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
     """An uninitialised DTensor (as ``torch.distributed.tensor.empty``)."""
     return _local(lambda s, d, dev: torch.empty(s, dtype=d, device=dev), size, requires_grad, dtype, layout, device_mesh, placements)
 
 
-def full(size: Sequence[int], fill_value: Any, *, requires_grad: bool = False, dtype: torch.dtype | None = None,
+def full(size: Sequence[int], fill_value: Number, *, requires_grad: bool = False, dtype: torch.dtype | None = None,
          layout: torch.layout = torch.strided, device_mesh: DeviceMesh | None = None,
          placements: Sequence[Placement] | None = None) -> DTensor:
     """A DTensor filled with ``fill_value`` (as ``torch.distributed.tensor.full``)."""
@@ -81,7 +86,7 @@ def full(size: Sequence[int], fill_value: Any, *, requires_grad: bool = False, d
                   device_mesh, placements)
 
 
-def _random(draw: Callable[..., torch.Tensor], size: tuple[Any, ...], requires_grad: bool, dtype: torch.dtype | None,
+def _random(draw: Callable[..., torch.Tensor], size: tuple[Size, ...], requires_grad: bool, dtype: torch.dtype | None,
             layout: torch.layout, device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None) -> DTensor:
     shape, mesh, normalized = _layout(size, device_mesh, placements, layout)
     values = draw(shape, dtype=dtype, device=mesh.device_type)
@@ -90,13 +95,13 @@ def _random(draw: Callable[..., torch.Tensor], size: tuple[Any, ...], requires_g
     return result
 
 
-def rand(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+def rand(*size: Size, requires_grad: bool = False, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
          device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
     """Uniform [0, 1) values: rank 0's ``torch.rand(size)``, distributed (every replica agrees)."""
     return _random(torch.rand, size, requires_grad, dtype, layout, device_mesh, placements)
 
 
-def randn(*size: Any, requires_grad: bool = False, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
+def randn(*size: Size, requires_grad: bool = False, dtype: torch.dtype | None = None, layout: torch.layout = torch.strided,
           device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
     """Standard normal values: rank 0's ``torch.randn(size)``, distributed (every replica agrees)."""
     return _random(torch.randn, size, requires_grad, dtype, layout, device_mesh, placements)

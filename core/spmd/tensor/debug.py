@@ -8,24 +8,44 @@
 
 Collectives in backward are attributed to the module ``"(backward)"``.
 Like torch's ``CommDebugMode``, but keyed by spmd's own collective names and
-counting bytes; it sees only what DTensor issues, not direct ``spmd.*`` calls.
+counting bytes (of the op's largest buffer). It counts from the kernel's op
+lifecycle (an observer of the flight recorder), so it sees every collective
+this process issues while it is active: DTensor's, FSDP's, direct ``spmd.*``
+calls; point-to-point sends and receives are not counted.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
+from spmd.debug.recorder import recorder
+from spmd.tensor.dispatch import dispatcher
 from spmd.tensor.visualize import visualize_sharding
 
-__all__ = ["CommDebugMode", "Count", "visualize_sharding"]
+__all__ = ["CommDebugMode", "Count", "counted_as", "visualize_sharding"]
 
-_active: list[CommDebugMode] = []
-#: The aten op being dispatched, set by the DTensor dispatcher while it runs (named only when recorded).
-current_op: list[Any] = []
+#: The kernel's op names -> the names counts are kept under (torch's CommDebugMode's short ones).
+_NAMES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+#: Set by ``counted_as``: the name the collectives issued inside count under.
+_stand_in: contextvars.ContextVar[str | None] = contextvars.ContextVar("spmd_counted_as", default=None)
+
+
+@contextlib.contextmanager
+def counted_as(name: str) -> Iterator[None]:
+    """Count the collectives issued inside as ``name``: an op standing in for another (FSDP reduces gradients
+    with an all-reduce where the backend's reduce-scatter would copy its input anyway: still a reduce-scatter)."""
+    token = _stand_in.set(name)
+    try:
+        yield
+    finally:
+        _stand_in.reset(token)
 
 
 @dataclass
@@ -34,15 +54,8 @@ class Count:
     bytes: int = 0
 
 
-def record(collective: str, nbytes: int, group: Any) -> None:
-    """Tell every active CommDebugMode about one collective (a no-op when none is active)."""
-    if _active:
-        for mode in _active:
-            mode._add(collective, nbytes)
-
-
 class CommDebugMode:
-    """A context manager that counts DTensor's collectives while it is active."""
+    """A context manager that counts the collectives this process issues while it is active."""
 
     def __init__(self, root: torch.nn.Module | None = None) -> None:
         self._names: dict[int, str] = {}
@@ -51,7 +64,14 @@ class CommDebugMode:
         self.counts: dict[str, Count] = defaultdict(Count)
         self.per_module: dict[str, dict[tuple[str, str], Count]] = defaultdict(lambda: defaultdict(Count))
         self._stack: list[str] = []
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
+
+    def _observe(self, group: str, seq: int, op: str, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> None:
+        """The flight recorder's report of one op: count it unless it is point-to-point (``seq`` -1)."""
+        if seq < 0:
+            return
+        nbytes = max((shape.numel() * dtype.itemsize for shape, dtype in zip(shapes, dtypes)), default=0)
+        self._add(_stand_in.get() or _NAMES.get(op, op), nbytes)
 
     def _add(self, collective: str, nbytes: int) -> None:
         count = self.counts[collective]
@@ -61,7 +81,8 @@ class CommDebugMode:
             module = "(backward)"
         else:
             module = self._stack[-1] if self._stack else "(global)"
-        op = str(current_op[-1]) if current_op else "(redistribute)"
+        current = dispatcher.current_op
+        op = str(current[-1]) if current else "(redistribute)"
         entry = self.per_module[module][(collective, op)]
         entry.calls += 1
         entry.bytes += nbytes
@@ -75,10 +96,10 @@ class CommDebugMode:
     def get_comm_bytes(self) -> dict[str, int]:
         return {name: c.bytes for name, c in self.counts.items()}
 
-    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+    def _pre(self, module: torch.nn.Module, args: object) -> None:
         self._stack.append(self._names.get(id(module), type(module).__name__))
 
-    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _post(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self._stack:
             self._stack.pop()
 
@@ -89,11 +110,11 @@ class CommDebugMode:
             nn_module.register_module_forward_pre_hook(self._pre),
             nn_module.register_module_forward_hook(self._post),
         ]
-        _active.append(self)
+        recorder.observers.append(self._observe)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _active.remove(self)
+        recorder.observers.remove(self._observe)
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -6,13 +6,19 @@ for the global output shapes, ask the op's rule (once per mesh dimension), and
 store the plan. Then redistribute the inputs the plan names, run the op on the
 local shards and wrap the outputs. An op without a rule falls back to
 gather, compute, reshard, with a warning naming the op once per process.
+
+All of it is state of one object, ``dispatcher`` (a ``Dispatcher``, installed
+as ``DTensor._dispatcher``): the plan caches, kept per generation of the
+plugins (a rule registered at run time is used from the next call on), the ops
+an active context takes over (``loss_parallel``), the fallback's warnings, and
+whether plain tensors count as replicated (``implicit_replication``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +26,7 @@ import torch
 
 from spmd import plugins
 from spmd.mesh import DeviceMesh
-from spmd.tensor import debug, registry
+from spmd.tensor import registry
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.errors import (
     DetachedViewError,
@@ -30,7 +36,7 @@ from spmd.tensor.errors import (
 )
 from spmd.tensor.placements import Partial, Placement, Replicate
 from spmd.tensor.redistribute import redistribute_local, shares_memory
-from spmd.tensor.rule import Decompose, LocalInfo, OpCall, Sharding, TensorArg, TensorMeta
+from spmd.tensor.rule import Decompose, LocalInfo, OpCall, Rule, Sharding, TensorArg, TensorMeta
 from spmd.tensor.spec import DTensorSpec, local_shape_and_offset
 
 _NO_META = object()
@@ -42,7 +48,7 @@ class Plan:
 
     targets: tuple[tuple[Placement, ...], ...]  # per DTensor input
     out_specs: tuple[DTensorSpec, ...]  # per tensor output
-    rewrite: Any
+    rewrite: Callable[[tuple, dict, LocalInfo], tuple[tuple, dict]] | None
     info: LocalInfo | None
     mutated: tuple[int, ...]  # DTensor-input indices the op writes to
     returns_self: bool  # an in-place op: return the mutated DTensor itself
@@ -51,37 +57,6 @@ class Plan:
     view: bool = False
     #: Nothing to do but the local op and the wrap: the inputs already sit where the rule wants them.
     direct: bool = False
-
-
-_cache: dict[Any, Plan] = {}
-#: Plans that need no redistribution, rewrite or mutation, keyed on positional arguments alone (the fast path).
-_direct: dict[Any, Plan] = {}
-#: The plugin manager the caches were filled under: a reload of the plugins (new rules) empties them.
-_cached_for: object = None
-_warned: set[str] = set()
-#: How many ``implicit_replication()`` contexts are open: while above 0, a plain tensor beside DTensors is taken
-#: as replicated on their mesh instead of raising MixedTensorError. Read only where a plain tensor is found, so
-#: the common path (DTensors and scalars) never pays for it.
-implicit_replication_depth = 0
-#: Ops taken over by an active context (``loss_parallel``): op -> fn(*args, **kwargs), checked before the rules.
-overrides: dict[Any, Any] = {}
-
-
-@contextlib.contextmanager
-def implicit_replication() -> Iterator[None]:
-    """Within it, a plain ``torch.Tensor`` beside DTensors counts as replicated on their mesh (torch's semantics).
-
-    As ``torch.distributed.tensor.experimental.implicit_replication``: code that
-    mixes a DTensor with a tensor every rank holds whole (a mask, a bias built
-    by hand) runs without converting it. Each rank's tensor is taken as is, so
-    it must be the same on every rank. Not thread-local, as torch's is not.
-    """
-    global implicit_replication_depth
-    implicit_replication_depth += 1
-    try:
-        yield
-    finally:
-        implicit_replication_depth -= 1
 
 
 def _replicate_plain_tensors(flat: list[Any]) -> list[Any]:
@@ -144,8 +119,13 @@ def _unflatten(flat: list[Any], layout: list[Any]) -> tuple[tuple, dict]:
 
 # -- dispatch -----------------------------------------------------------------------------------------
 
+#: What ``__torch_dispatch__`` hands on: an aten op overload.
+Op = torch._ops.OpOverload
+#: An op taken over by a context: called with the op's own arguments instead of its rule.
+Override = Callable[..., object]
 
-def _direct_key(func: Any, args: tuple) -> tuple | None:
+
+def _direct_key(func: Op, args: tuple) -> tuple | None:
     """The direct path's key for positional ``args`` (DTensors and non-tensors), else None (a tensor or a list)."""
     key: list[Any] = [func]
     for a in args:
@@ -161,100 +141,183 @@ def _direct_key(func: Any, args: tuple) -> tuple | None:
     return tuple(key)
 
 
-def dispatch(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
-    """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``).
+class Dispatcher:
+    """The owner of DTensor's dispatch state: plan caches, context overrides, fallback warnings, implicit replication.
 
-    Most calls in a training step (positional DTensors and scalars, shards
-    already where the rule wants them) take the direct path: one key, one
-    lookup, the local op, the wrap.
+    One per process (``dispatcher``, reachable as ``DTensor._dispatcher``); a
+    test may make its own to ``plan`` from empty caches.
     """
-    if overrides:
-        override = overrides.get(func)
-        if override is not None:
-            return override(*args, **kwargs)
-    key = _direct_key(func, args) if not kwargs and _cached_for is plugins.generation else None
-    if key is not None:
+
+    def __init__(self) -> None:
+        #: Plans by full call signature (op, argument layout, specs, non-tensor values, mesh).
+        self._cache: dict[tuple, Plan] = {}
+        #: Plans that need no redistribution, rewrite or mutation, keyed on positional arguments alone (the fast path).
+        self._direct: dict[tuple, Plan] = {}
+        #: The plugin generation (``spmd.plugins.generation``) the caches were filled under: a new one empties them.
+        self._generation: object = None
+        #: Ops the fallback warned about (once per process each).
+        self.warned: set[str] = set()
+        #: Open ``implicit_replication()`` contexts: while above 0, a plain tensor beside DTensors is taken as
+        #: replicated on their mesh instead of raising MixedTensorError. Read only where a plain tensor is
+        #: found, so the common path (DTensors and scalars) never pays for it.
+        self.implicit_depth = 0
+        #: Ops taken over by an active context (``loss_parallel``), checked before the rules.
+        self.overrides: dict[Op, Override] = {}
+        #: The ops being dispatched, innermost last (``CommDebugMode`` names the op a collective served).
+        self.current_op: list[Op] = []
+
+    # -- contexts ---------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def implicit_replication(self) -> Iterator[None]:
+        """Within it, a plain ``torch.Tensor`` beside DTensors counts as replicated on their mesh (torch's semantics).
+
+        As ``torch.distributed.tensor.experimental.implicit_replication``: code that
+        mixes a DTensor with a tensor every rank holds whole (a mask, a bias built
+        by hand) runs without converting it. Each rank's tensor is taken as is, so
+        it must be the same on every rank. Not thread-local, as torch's is not.
+        """
+        self.implicit_depth += 1
         try:
-            plan = _direct.get(key)  # hashes the key once
-        except TypeError:  # an unhashable argument: the general path
-            return dispatch_by_rule(func, args, kwargs)
-        if plan is not None:
-            return _wrap(func(*[a._local_tensor if type(a) is DTensor else a for a in args]), plan.out_specs)
-        out, plan = _dispatch_planned(func, args, kwargs, None)
-        if plan is not None and plan.direct:
-            _direct[key] = plan
-        return out
-    return dispatch_by_rule(func, args, kwargs)
+            yield
+        finally:
+            self.implicit_depth -= 1
 
+    @contextlib.contextmanager
+    def overriding(self, ops: Mapping[Op, Override]) -> Iterator[None]:
+        """Within it, each op of ``ops`` runs its function instead of its rule (``loss_parallel``); nests, restores on exit."""
+        previous = {op: self.overrides.get(op) for op in ops}
+        self.overrides.update(ops)
+        try:
+            yield
+        finally:
+            for op, fn in previous.items():
+                if fn is None:
+                    self.overrides.pop(op, None)
+                else:
+                    self.overrides[op] = fn
 
-def dispatch_by_rule(func: torch._ops.OpOverload, args: tuple, kwargs: dict, rule: Any = None) -> Any:
-    """``dispatch`` without the context overrides: ``rule``, else the op's registered rule (or the fallback).
+    # -- dispatch ---------------------------------------------------------------------------------------
 
-    A ``Decompose`` that handles only some layouts passes the rest on here with a plain rule.
-    """
-    return _dispatch_planned(func, args, kwargs, rule)[0]
+    def dispatch(self, func: Op, args: tuple, kwargs: dict) -> object:
+        """Run ``func`` on DTensor arguments (the body of ``DTensor.__torch_dispatch__``).
 
+        Most calls in a training step (positional DTensors and scalars, shards
+        already where the rule wants them) take the direct path: one key, one
+        lookup, the local op, the wrap.
+        """
+        if self.overrides:
+            override = self.overrides.get(func)
+            if override is not None:
+                return override(*args, **kwargs)
+        key = _direct_key(func, args) if not kwargs and self._generation is plugins.generation else None
+        if key is not None:
+            try:
+                plan = self._direct.get(key)  # hashes the key once
+            except TypeError:  # an unhashable argument: the general path
+                return self.dispatch_by_rule(func, args, kwargs)
+            if plan is not None:
+                return _wrap(func(*[a._local_tensor if type(a) is DTensor else a for a in args]), plan.out_specs)
+            out, plan = self._dispatch_planned(func, args, kwargs, None)
+            if plan is not None and plan.direct:
+                self._direct[key] = plan
+            return out
+        return self.dispatch_by_rule(func, args, kwargs)
 
-def _dispatch_planned(func: torch._ops.OpOverload, args: tuple, kwargs: dict, rule: Any) -> tuple[Any, Plan | None]:
-    """``dispatch_by_rule``, also returning the plan it used (None: a decomposition or no meta kernel)."""
-    global _cached_for
-    if _cached_for is not plugins.generation:  # plugins (re)loaded: rules may have changed
-        _cache.clear()
-        _direct.clear()
-        _cached_for = plugins.generation
-    if rule is None:
+    def dispatch_by_rule(self, func: Op, args: tuple, kwargs: dict, rule: Rule | Decompose | None = None) -> object:
+        """``dispatch`` without the context overrides: ``rule``, else the op's registered rule (or the fallback).
+
+        A ``Decompose`` that handles only some layouts passes the rest on here with a plain rule.
+        """
+        return self._dispatch_planned(func, args, kwargs, rule)[0]
+
+    def plan(self, func: Op, args: tuple, kwargs: dict | None = None) -> Plan | None:
+        """The plan ``func`` on these arguments gets (cached as a call would cache it), without running it.
+
+        None for an op whose rule is a ``Decompose`` or that has no meta kernel.
+        What planning reads of the mesh is its shape and this rank's place in it,
+        so a ``DeviceMesh.for_planning`` mesh serves (tests, what-if questions).
+        """
         rule = registry.lookup(func)
-    if type(rule) is Decompose:
-        return rule.fn(*args, **kwargs), None
-    flat, layout = _flatten(args, kwargs)
-    key: list[Any] = [func, tuple(layout)]
-    positions: list[int] = []
-    mesh: DeviceMesh | None = None
-    for i, x in enumerate(flat):
-        if isinstance(x, DTensor):
-            positions.append(i)
-            spec = x._spec
-            if mesh is None:
-                mesh = spec.mesh
-            elif spec.mesh is not mesh and spec.mesh != mesh:
-                raise ValueError(f"{func}: DTensor arguments live on different meshes ({mesh} and {spec.mesh}); redistribute onto one mesh first")
-            key.append(spec.key)
-        elif isinstance(x, torch.Tensor):
-            if x.ndim != 0:
-                if implicit_replication_depth:  # the switch: only consulted when a plain tensor turns up
-                    args, kwargs = _unflatten(_replicate_plain_tensors(flat), layout)
-                    return _dispatch_planned(func, args, kwargs, rule)
-                raise MixedTensorError(
-                    f"{func}: got a plain torch.Tensor of shape {tuple(x.shape)} beside DTensors; convert it with "
-                    "spmd.distribute_tensor(t, mesh, [Replicate()]) or DTensor.from_local first, or run the code "
-                    "under spmd.tensor.experimental.implicit_replication() (only 0-dim tensors are taken as "
-                    "replicated otherwise)"
-                )
-            key.append((x.dtype, x.device.type))
-        else:
-            key.append(x)
-            key.append(type(x))
-    assert mesh is not None
-    key.append(mesh)
-    try:
-        hashed_key: Any = tuple(key)
-        plan = _cache.get(hashed_key)
-    except TypeError:  # an unhashable argument: propagate without caching
-        hashed_key, plan = None, None
-    if plan is None:
-        plan = _propagate(func, rule, flat, layout, positions, mesh)
-        if hashed_key is not None and plan is not None:
-            _cache[hashed_key] = plan
-    if plan is None:  # no meta kernel: compute on the full tensors
-        return _run_unplanned(func, flat, layout, positions, mesh), None
-    return _execute(func, plan, flat, layout, positions), plan
+        return None if isinstance(rule, Decompose) else self._planned(func, args, kwargs or {}, rule)[0]
+
+    def _dispatch_planned(self, func: Op, args: tuple, kwargs: dict, rule: Rule | Decompose | None) -> tuple[object, Plan | None]:
+        """``dispatch_by_rule``, also returning the plan it used (None: a decomposition or no meta kernel)."""
+        if rule is None:
+            rule = registry.lookup(func)
+        if isinstance(rule, Decompose):
+            return rule.fn(*args, **kwargs), None
+        plan, flat, layout, positions, mesh = self._planned(func, args, kwargs, rule)
+        if plan is None:  # no meta kernel: compute on the full tensors
+            return _run_unplanned(self, func, flat, layout, positions, mesh), None
+        return _execute(self, func, plan, flat, layout, positions), plan
+
+    def _planned(self, func: Op, args: tuple, kwargs: dict, rule: Rule | None
+                 ) -> tuple[Plan | None, list[Any], list[Any], list[int], DeviceMesh]:
+        """The call's plan (from the cache, else propagated and cached; None: no meta kernel) and its flattened
+        arguments (with plain tensors wrapped as replicated under ``implicit_replication``)."""
+        if self._generation is not plugins.generation:  # plugins (re)loaded or registered: rules may have changed
+            self._cache.clear()
+            self._direct.clear()
+            self._generation = plugins.generation
+        flat, layout = _flatten(args, kwargs)
+        key: list[Any] = [func, tuple(layout)]
+        positions: list[int] = []
+        mesh: DeviceMesh | None = None
+        for i, x in enumerate(flat):
+            if isinstance(x, DTensor):
+                positions.append(i)
+                spec = x._spec
+                if mesh is None:
+                    mesh = spec.mesh
+                elif spec.mesh is not mesh and spec.mesh != mesh:
+                    raise ValueError(f"{func}: DTensor arguments live on different meshes ({mesh} and {spec.mesh}); redistribute onto one mesh first")
+                key.append(spec.key)
+            elif isinstance(x, torch.Tensor):
+                if x.ndim != 0:
+                    if self.implicit_depth:  # the switch: only consulted when a plain tensor turns up
+                        return self._planned(func, *_unflatten(_replicate_plain_tensors(flat), layout), rule)
+                    raise MixedTensorError(
+                        f"{func}: got a plain torch.Tensor of shape {tuple(x.shape)} beside DTensors; convert it with "
+                        "spmd.distribute_tensor(t, mesh, [Replicate()]) or DTensor.from_local first, or run the code "
+                        "under spmd.tensor.experimental.implicit_replication() (only 0-dim tensors are taken as "
+                        "replicated otherwise)"
+                    )
+                key.append((x.dtype, x.device.type))
+            else:
+                key.append(x)
+                key.append(type(x))
+        assert mesh is not None
+        key.append(mesh)
+        cache_key = tuple(key)
+        try:
+            plan = self._cache.get(cache_key)
+            cacheable = True
+        except TypeError:  # an unhashable argument: propagate without caching
+            plan, cacheable = None, False
+        if plan is None:
+            plan = _propagate(self, func, rule, flat, layout, positions, mesh)
+            if cacheable and plan is not None:
+                self._cache[cache_key] = plan
+        return plan, flat, layout, positions, mesh
+
+    def warn_fallback(self, func: Op) -> None:
+        """Warn (once per op and process) that ``func`` has no rule and runs gathered."""
+        name = str(func)
+        if name not in self.warned:
+            self.warned.add(name)
+            warnings.warn(
+                f"spmd DTensor: no sharding rule for {name}; falling back to gather, compute on the full tensors, "
+                "reshard (correct but slow). A plugin can provide a rule through the spmd_sharding_rules hook",
+                stacklevel=5,
+            )
 
 
-def _execute(func: Any, plan: Plan, flat: list[Any], layout: list[Any], positions: list[int]) -> Any:
+def _execute(dispatcher: Dispatcher, func: Op, plan: Plan, flat: list[Any], layout: list[Any], positions: list[int]) -> Any:
     local = list(flat)
     for index in plan.mutated:
         _refuse_detached_write(func, flat[positions[index]])
-    debug.current_op.append(func)
+    dispatcher.current_op.append(func)
     try:
         for target, pos in zip(plan.targets, positions):
             dt = flat[pos]
@@ -267,9 +330,10 @@ def _execute(func: Any, plan: Plan, flat: list[Any], layout: list[Any], position
                     # (on the storage: locals made inside dispatch carry no view links, every view shares it)
                     local[pos].untyped_storage()._spmd_detached = (func, dt._spec.placements, target)
     finally:
-        debug.current_op.pop()
+        dispatcher.current_op.pop()
     args, kwargs = _unflatten(local, layout)
     if plan.rewrite is not None:
+        assert plan.info is not None  # (set with every rewrite)
         args, kwargs = plan.rewrite(args, kwargs, plan.info)
     original = [flat[p]._spec for p in positions] if plan.fallback else []
     out = func(*args, **kwargs)
@@ -359,7 +423,7 @@ def _mutated_inputs(func: Any, flat: list[Any], layout: list[Any], positions: li
     return tuple(mutated), returns_self
 
 
-def _propagate(func: Any, rule: Any, flat: list[Any], layout: list[Any], positions: list[int], mesh: DeviceMesh) -> Plan | None:
+def _propagate(dispatcher: Dispatcher, func: Op, rule: Rule | None, flat: list[Any], layout: list[Any], positions: list[int], mesh: DeviceMesh) -> Plan | None:
     meta_out = _meta_outputs(func, flat, layout)
     if meta_out is _NO_META:
         return None
@@ -374,7 +438,7 @@ def _propagate(func: Any, rule: Any, flat: list[Any], layout: list[Any], positio
             f"(x = x.{func._schema.name.split('::')[-1].rstrip('_')}(...))"
         )
     if rule is None:
-        _warn_fallback(func)
+        dispatcher.warn_fallback(func)
         replicated: tuple[tuple[Placement, ...], ...] = tuple(tuple(Replicate() for _ in range(mesh.ndim)) for _ in positions)
         out_specs = tuple(
             DTensorSpec(mesh, replicated[0] if replicated else (Replicate(),) * mesh.ndim, tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -422,17 +486,6 @@ def _is_view(func: Any) -> bool:
 # -- the fallback: gather, compute, reshard ------------------------------------------------------------
 
 
-def _warn_fallback(func: Any) -> None:
-    name = str(func)
-    if name not in _warned:
-        _warned.add(name)
-        warnings.warn(
-            f"spmd DTensor: no sharding rule for {name}; falling back to gather, compute on the full tensors, "
-            "reshard (correct but slow). A plugin can provide a rule through the spmd_sharding_rules hook",
-            stacklevel=4,
-        )
-
-
 def _reshard_fallback(plan: Plan, out: Any, flat: list[Any], positions: list[int], original: list[DTensorSpec]) -> Any:
     """Give fallback outputs (computed replicated) the first input's placements when the shapes allow."""
     first = original[0] if original else None
@@ -459,9 +512,9 @@ def _reshard_fallback(plan: Plan, out: Any, flat: list[Any], positions: list[int
     return resharded if isinstance(wrapped, list) else resharded[0]
 
 
-def _run_unplanned(func: Any, flat: list[Any], layout: list[Any], positions: list[int], mesh: DeviceMesh) -> Any:
+def _run_unplanned(dispatcher: Dispatcher, func: Op, flat: list[Any], layout: list[Any], positions: list[int], mesh: DeviceMesh) -> Any:
     """An op whose output shape cannot be known ahead (no meta kernel): compute replicated, no cache."""
-    _warn_fallback(func)
+    dispatcher.warn_fallback(func)
     replicate = tuple(Replicate() for _ in range(mesh.ndim))
     local = list(flat)
     for pos in positions:
@@ -472,3 +525,10 @@ def _run_unplanned(func: Any, flat: list[Any], layout: list[Any], positions: lis
     leaves = _tensor_leaves(out)
     specs = tuple(DTensorSpec(mesh, replicate, tuple(t.shape), tuple(t.stride()), t.dtype) for t in leaves)
     return _wrap(out, specs)
+
+
+#: The process's dispatcher: every DTensor op goes through it.
+dispatcher = Dispatcher()
+DTensor._dispatcher = dispatcher
+#: ``spmd.tensor.experimental.implicit_replication``: the process dispatcher's context.
+implicit_replication = dispatcher.implicit_replication

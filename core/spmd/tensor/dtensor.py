@@ -1,7 +1,8 @@
 """DTensor: a torch.Tensor subclass that holds this rank's shard, its mesh and its placements.
 
-Every aten op on a DTensor goes through ``__torch_dispatch__`` to
-``spmd.tensor.dispatch``, which looks up the op's sharding rule, redistributes
+Every aten op on a DTensor goes through ``__torch_dispatch__`` to the
+dispatcher that ``spmd.tensor.dispatch`` installs as ``DTensor._dispatcher``
+(this module does not import it: the dispatcher is built on DTensor), which looks up the op's sharding rule, redistributes
 the inputs the rule asks for, runs the op on the local shards and wraps the
 results. Autograd sees DTensors, so backward ops are dispatched the same way.
 """
@@ -9,13 +10,14 @@ results. Autograd sees DTensors, so backward ops are dispatched the same way.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from spmd.mesh import DeviceMesh
+from spmd.mesh import DeviceMesh, default_mesh
+from spmd.tensor import comm
 from spmd.tensor.placements import Partial, Placement, Replicate, Shard
-from spmd.tensor.redistribute import Redistribute
+from spmd.tensor.redistribute import redistribute_local, shares_memory
 from spmd.tensor.spec import (
     DTensorSpec,
     global_stride,
@@ -23,7 +25,11 @@ from spmd.tensor.spec import (
     normalize_placements,
 )
 
-_dispatch: Any = None
+
+class Dispatches(Protocol):
+    """What DTensor needs of its dispatcher (``spmd.tensor.dispatch.Dispatcher``): run one aten op."""
+
+    def dispatch(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object: ...
 
 _CONJUGATE = torch._C.DispatchKey.Conjugate
 _NEGATIVE = torch._C.DispatchKey.Negative
@@ -31,21 +37,13 @@ _is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
 _set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 
 
-def _dispatcher() -> Any:
-    """``spmd.tensor.dispatch.dispatch`` (imported on first use: the dispatcher imports this module)."""
-    global _dispatch
-    if _dispatch is None:
-        from spmd.tensor.dispatch import dispatch
-
-        _dispatch = dispatch
-    return _dispatch
-
-
 class DTensor(torch.Tensor):
     """A distributed tensor: global shape and dtype, local data, mesh and placements."""
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
+    #: Runs every aten op on DTensors (``spmd.tensor.dispatch.dispatcher``, which sets it when imported).
+    _dispatcher: ClassVar[Dispatches]
     __slots__ = ("_local_tensor", "_spec")
 
     @staticmethod
@@ -72,17 +70,17 @@ class DTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+    def __torch_dispatch__(cls, func: torch._ops.OpOverload, types: object, args: tuple = (), kwargs: dict | None = None) -> object:  # type: ignore[override]
         # torch excludes the Conjugate and Negative keys while a subclass dispatches, so a local kernel that
         # builds a conjugate view inside (linalg_pinv's mH) would read it unresolved: silently wrong values.
         # The local compute runs with both keys back, as the same op on plain tensors does.
         if not _is_excluded(_CONJUGATE):
-            return _dispatcher()(func, args, kwargs or {})
+            return cls._dispatcher.dispatch(func, args, kwargs or {})
         negative = _is_excluded(_NEGATIVE)
         _set_excluded(_CONJUGATE, False)
         _set_excluded(_NEGATIVE, False)
         try:
-            return _dispatcher()(func, args, kwargs or {})
+            return cls._dispatcher.dispatch(func, args, kwargs or {})
         finally:
             _set_excluded(_CONJUGATE, True)
             _set_excluded(_NEGATIVE, negative)
@@ -93,11 +91,12 @@ class DTensor(torch.Tensor):
             f"placements={self._spec.placements})"
         )
 
-    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[DTensorSpec, bool]]:
         return ["_local_tensor"], (self._spec, self.requires_grad)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict, meta: Any, outer_size: Any, outer_stride: Any) -> DTensor:
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple[DTensorSpec, bool], outer_size: torch.Size,
+                             outer_stride: tuple[int, ...]) -> DTensor:
         spec, requires_grad = meta
         return DTensor(inner["_local_tensor"], spec, requires_grad=requires_grad)
 
@@ -127,7 +126,7 @@ class DTensor(torch.Tensor):
         With Partial, each rank's tensor is one summand. ``run_check`` checks
         that the ranks' local shapes agree with the global shape.
         """
-        mesh = device_mesh if device_mesh is not None else _default_mesh(local_tensor)
+        mesh = device_mesh if device_mesh is not None else default_mesh(local_tensor.device.type)
         normalized = normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, mesh, local_tensor.ndim)
         if shape is None:
             global_shape = list(local_tensor.shape)
@@ -174,6 +173,33 @@ class DTensor(torch.Tensor):
         return replicated.to_local(grad_placements=grad_placements)
 
 
+class Redistribute(torch.autograd.Function):
+    """Differentiable redistribution: the backward moves the gradient back to the source placements.
+
+    A Partial source gets a Replicate gradient (the whole gradient of a sum is
+    the gradient of each summand), so gradients are never divided by N.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, input: DTensor, placements: tuple[Placement, ...]) -> DTensor:  # noqa: A002
+        spec = input._spec
+        ctx.src = spec
+        local = redistribute_local(input._local_tensor, spec, placements)
+        if placements != spec.placements and shares_memory(local, input._local_tensor):
+            # Replicate -> Shard narrows, Replicate -> Partial keeps rank 0's tensor: an in-place op on the
+            # result would write into the source, which would then differ across the ranks it is replicated on
+            local = local.clone()
+        return DTensor(local, spec.with_placements(placements), requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        src: DTensorSpec = ctx.src
+        target = tuple(Replicate() if isinstance(p, Partial) else p for p in src.placements)
+        if not isinstance(grad, DTensor):
+            return grad, None
+        return Redistribute.apply(grad, target), None
+
+
 class FromLocal(torch.autograd.Function):
     """A local tensor as the DTensor ``spec`` describes, no checks; backward hands the gradient back in ``spec``'s placements."""
 
@@ -183,12 +209,10 @@ class FromLocal(torch.autograd.Function):
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         spec: DTensorSpec = ctx.spec
         if isinstance(grad, DTensor):
             target = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
-            from spmd.tensor.redistribute import redistribute_local
-
             return redistribute_local(grad._local_tensor, grad._spec, target), None
         return grad, None
 
@@ -201,7 +225,7 @@ class _ToLocal(torch.autograd.Function):
         return dt._local_tensor.view_as(dt._local_tensor)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[DTensor, None]:
         spec: DTensorSpec = ctx.spec
         placements = ctx.grad_placements or spec.placements
         return DTensor(grad, spec.with_placements(placements)), None
@@ -222,9 +246,7 @@ def distribute_tensor(
     ranks whose tensors differ still agree; None uses each rank's own tensor.
     The result is a leaf that requires grad if ``tensor`` did.
     """
-    from spmd.tensor import comm
-
-    mesh = device_mesh if device_mesh is not None else _default_mesh(tensor)
+    mesh = device_mesh if device_mesh is not None else default_mesh(tensor.device.type)
     normalized = normalize_placements(placements if placements is not None else [Replicate()] * mesh.ndim, mesh, tensor.ndim)
     data = tensor.detach()
     if src_data_rank is not None:
@@ -241,19 +263,10 @@ def distribute_tensor(
             data = comm.broadcast(data, mesh.get_group(mesh_dim), int(src_coordinate[mesh_dim]))
     shape = tuple(data.shape)
     spec = DTensorSpec(mesh, tuple(Replicate() for _ in normalized), shape, global_stride(data, shape), data.dtype)
-    from spmd.tensor.redistribute import redistribute_local
-
     local = redistribute_local(data, spec, normalized)
     if src_data_rank is None or local.numel() != data.numel():
         local = local.clone(memory_format=torch.contiguous_format)  # own storage: the full tensor is freed
     return DTensor(local, spec.with_placements(normalized), requires_grad=tensor.requires_grad)
-
-
-def _default_mesh(tensor: torch.Tensor) -> DeviceMesh:
-    """The world's default mesh for ``tensor``'s device type (``spmd.mesh.default_mesh``: one per world)."""
-    from spmd.mesh import default_mesh
-
-    return default_mesh(tensor.device.type)
 
 
 def _check_shapes_across_ranks(local: torch.Tensor, spec: DTensorSpec) -> None:

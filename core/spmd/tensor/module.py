@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from spmd.mesh import DeviceMesh
-from spmd.tensor.dtensor import DTensor, _default_mesh, distribute_tensor
+from spmd.mesh import DeviceMesh, default_mesh
+from spmd.tensor.dtensor import DTensor, distribute_tensor
 from spmd.tensor.placements import Replicate
 
 
@@ -38,7 +38,7 @@ def distribute_module(
     """
     if getattr(module, "_distribute_module_applied", False):
         raise RuntimeError("distribute_module was already called on this module; call it once per module")
-    mesh = device_mesh if device_mesh is not None else _default_mesh(next(module.parameters(), torch.empty(0)))
+    mesh = device_mesh if device_mesh is not None else default_mesh(next(module.parameters(), torch.empty(0)).device.type)
     for name, submodule in module.named_modules():
         if partition_fn is not None:
             partition_fn(name, submodule, mesh)

@@ -9,13 +9,13 @@ change at once:
 2. resolve partial sums (all-reduce, or reduce-scatter straight into a Shard);
 3. apply new shards and partials, outermost first (local slices, no communication).
 
-Plans are cached per (source spec, target placements).
+Plans are cached per (source placements, target placements). This module works on local
+tensors and specs only; ``DTensor.redistribute`` (``spmd.tensor.dtensor``) wraps it for autograd.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 
@@ -141,34 +141,3 @@ def _redistribute_stored(local: torch.Tensor, spec: DTensorSpec, dst: tuple[Plac
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether non-empty ``a`` lives in ``b``'s storage (a view of it, not a copy)."""
     return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-class Redistribute(torch.autograd.Function):
-    """Differentiable redistribution: the backward moves the gradient back to the source placements.
-
-    A Partial source gets a Replicate gradient (the whole gradient of a sum is
-    the gradient of each summand), so gradients are never divided by N.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, input: Any, placements: tuple[Placement, ...]) -> Any:  # noqa: A002
-        from spmd.tensor.dtensor import DTensor
-
-        spec = input._spec
-        ctx.src = spec
-        local = redistribute_local(input._local_tensor, spec, placements)
-        if placements != spec.placements and shares_memory(local, input._local_tensor):
-            # Replicate -> Shard narrows, Replicate -> Partial keeps rank 0's tensor: an in-place op on the
-            # result would write into the source, which would then differ across the ranks it is replicated on
-            local = local.clone()
-        return DTensor(local, spec.with_placements(placements), requires_grad=local.requires_grad)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Any) -> Any:
-        from spmd.tensor.dtensor import DTensor
-
-        src: DTensorSpec = ctx.src
-        target = tuple(Replicate() if isinstance(p, Partial) else p for p in src.placements)
-        if not isinstance(grad, DTensor):
-            return grad, None
-        return Redistribute.apply(grad, target), None

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
+from spmd.tensor.dtensor import DTensor
 from spmd.tensor.spec import local_shape_and_offset
 
 
-def sharding_table(dtensor: Any) -> list[tuple[str, list[int]]]:
+def sharding_table(dtensor: DTensor) -> list[tuple[str, list[int]]]:
     """``[(block, ranks)]``: every distinct block of the global tensor (``"0:2, 0:4"``) and the ranks holding it."""
     spec = dtensor._spec
     mesh = spec.mesh
@@ -20,7 +20,7 @@ def sharding_table(dtensor: Any) -> list[tuple[str, list[int]]]:
     return list(blocks.items())
 
 
-def visualize_sharding(dtensor: Any, header: str = "", use_rich: bool = False) -> None:
+def visualize_sharding(dtensor: DTensor, header: str = "", use_rich: bool = False) -> None:
     """Print, on the mesh's first rank, each block of ``dtensor`` and the ranks that hold it (``use_rich`` is
     accepted for torch's signature; the table is plain text). Partial placements hold summands of every block."""
     mesh = dtensor._spec.mesh

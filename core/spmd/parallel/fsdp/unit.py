@@ -41,7 +41,7 @@ from spmd.errors import SpmdError
 from spmd.mesh import DeviceMesh, concatenate_meshes
 from spmd.parallel.fsdp.layout import FlatLayout
 from spmd.parallel.fsdp.policy import MixedPrecisionPolicy
-from spmd.tensor import debug
+from spmd.tensor.debug import counted_as
 from spmd.tensor.dtensor import DTensor, FromLocal
 from spmd.tensor.placements import Placement, Replicate, Shard
 from spmd.tensor.spec import DTensorSpec, contiguous_stride, local_piece
@@ -261,7 +261,6 @@ class FSDPUnit:
                             "model.to_empty(device=...) and initialise them (reset_parameters(), or load_state_dict) first")
         send = self.flat_shard if self.compute_dtype == self.dtype else self.flat_shard.to(self.compute_dtype)
         gathered = torch.empty(self.world * self.layout.shard_numel, dtype=self.compute_dtype, device=send.device)
-        debug.record("all_gather", gathered.numel() * gathered.element_size(), self.shard_group)
         work = collectives.all_gather_into_tensor(gathered, send, group=self.shard_group, async_op=True)
         assert work is not None
         self._gather = (work, gathered, send)
@@ -332,11 +331,11 @@ class FSDPUnit:
         factor = self.gradient_divide_factor if self.gradient_divide_factor is not None else self.dp_size
         if factor != 1:
             inp.div_(factor)
-        debug.record("reduce_scatter", inp.numel() * inp.element_size(), self.shard_group)
         if self.shard_group.backend_for(inp, "reduce_scatter_tensor").reduce_scatter_copies_input:
             # The backend would all-reduce a copy of ``inp`` anyway: all-reduce the scratch buffer itself,
             # so only ``inp`` is in flight while the next unit's backward runs (not a copy and an output too).
-            work = collectives.all_reduce(inp, op=ReduceOp.SUM, group=self.shard_group, async_op=True)
+            with counted_as("reduce_scatter"):
+                work = collectives.all_reduce(inp, op=ReduceOp.SUM, group=self.shard_group, async_op=True)
             assert work is not None
             return PendingReduce(self, work, None, inp)
         out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=inp.device)
@@ -357,7 +356,6 @@ class FSDPUnit:
             if not self.requires_all_reduce:
                 self._partial = out
                 return
-            debug.record("all_reduce", out.numel() * out.element_size(), self.replicate_group)
             collectives.all_reduce(out, op=ReduceOp.SUM, group=self.replicate_group)
         if out.dtype != self.dtype:
             out = out.to(self.dtype)

@@ -15,8 +15,9 @@ accepts. Works in place and returns the module.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from fnmatch import fnmatch
-from typing import Any
+from typing import TypeAlias
 
 from torch import nn
 
@@ -26,14 +27,19 @@ from spmd.parallel.tp.style import ParallelStyle
 from spmd.tensor.placements import Placement
 
 STYLE_PREFIX = "tp."
+#: A style, or the name of a registered one ("colwise", ...).
+StyleLike: TypeAlias = ParallelStyle | str
+#: What ``parallelize_module`` takes: one style for the module, or module-name patterns to styles.
+Plan: TypeAlias = StyleLike | Mapping[str, StyleLike]
 
 
-def resolve_style(style: Any) -> Any:
+def resolve_style(style: StyleLike) -> ParallelStyle:
     """A style object, or the registered style called ``style`` (an instance with default options)."""
     if isinstance(style, str):
         from spmd.parallel.registry import get_strategy
 
-        return get_strategy(STYLE_PREFIX + style).apply()
+        resolved: ParallelStyle = get_strategy(STYLE_PREFIX + style).apply()
+        return resolved
     if not hasattr(style, "apply"):
         raise TypeError(
             f"parallelize_module: {style!r} is not a parallel style; pass a spmd.parallel.ParallelStyle "
@@ -47,7 +53,7 @@ def _matches(name: str, pattern: str) -> bool:
     return len(parts) == len(atoms) and all(fnmatch(p, a) for p, a in zip(parts, atoms))
 
 
-def _describe_style(style: Any) -> str:
+def _describe_style(style: StyleLike) -> str:
     """A style as comparable text: its class and settings (placements, dims, flags)."""
     if isinstance(style, str):
         return style
@@ -56,7 +62,7 @@ def _describe_style(style: Any) -> str:
     return f"{type(style).__name__}{settings}"
 
 
-def _verify_plan(module: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> None:
+def _verify_plan(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, StyleLike]) -> None:
     """Every rank of the mesh applies the same plan to the same parameters, or every rank raises naming the
     difference (a plan on one rank only gave wrong activations without an error)."""
     entries: list[object] = [(pattern, _describe_style(style)) for pattern, style in plan.items()]
@@ -67,15 +73,15 @@ def _verify_plan(module: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> N
                          "Apply the same plan to the same model on every rank")
 
 
-def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_plan: Any = None) -> nn.Module:
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh, parallelize_plan: Plan | None = None) -> nn.Module:
     """Apply ``parallelize_plan`` (one style for ``module`` itself, or a dict from module names to styles)."""
     if parallelize_plan is None:
         return module
-    if isinstance(parallelize_plan, (ParallelStyle, str)) or hasattr(parallelize_plan, "apply"):
+    if not isinstance(parallelize_plan, Mapping):
+        if not isinstance(parallelize_plan, (ParallelStyle, str)) and not hasattr(parallelize_plan, "apply"):
+            raise TypeError(f"parallelize_module: the plan must be a style or a dict of module names to styles, got {type(parallelize_plan).__name__}")
         _verify_plan(module, device_mesh, {"": parallelize_plan})
         return resolve_style(parallelize_plan).apply(module, device_mesh)
-    if not isinstance(parallelize_plan, dict):
-        raise TypeError(f"parallelize_module: the plan must be a style or a dict of module names to styles, got {type(parallelize_plan).__name__}")
     named = dict(module.named_modules())
     _verify_plan(module, device_mesh, parallelize_plan)
     for pattern, style in parallelize_plan.items():

@@ -12,15 +12,15 @@ backward ops are handled the same way, so ``backward()`` belongs inside too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from spmd.comm.reduce_op import ReduceOp
 from spmd.tensor import comm
-from spmd.tensor.dispatch import dispatch_by_rule, overrides
+from spmd.tensor.dispatch import dispatcher
 from spmd.tensor.dtensor import DTensor
 from spmd.tensor.placements import Placement, Replicate, Shard
 from spmd.tensor.spec import DTensorSpec, contiguous_stride, local_shape_and_offset
@@ -45,7 +45,7 @@ def _wrap(local: torch.Tensor, like: DTensorSpec, placements: tuple[Placement, .
 def _log_softmax(x: Any, dim: int, half_to_float: bool) -> Any:
     m = _class_mesh_dim(x, dim)
     if m is None:
-        return dispatch_by_rule(aten._log_softmax.default, (x, dim, half_to_float), {})
+        return dispatcher.dispatch_by_rule(aten._log_softmax.default, (x, dim, half_to_float), {})
     group = x.device_mesh.get_group(m)
     local = x._local_tensor
     if local.size(dim):
@@ -61,7 +61,7 @@ def _log_softmax(x: Any, dim: int, half_to_float: bool) -> Any:
 def _log_softmax_backward(grad: Any, output: Any, dim: int, input_dtype: Any) -> Any:
     m = _class_mesh_dim(output, dim)
     if m is None or not isinstance(grad, DTensor) or grad.placements != output.placements:
-        return dispatch_by_rule(aten._log_softmax_backward_data.default, (grad, output, dim, input_dtype), {})
+        return dispatcher.dispatch_by_rule(aten._log_softmax_backward_data.default, (grad, output, dim, input_dtype), {})
     group = output.device_mesh.get_group(m)
     g = grad._local_tensor
     total = comm.all_reduce(g.sum(dim, keepdim=True), group, ReduceOp.SUM)
@@ -80,7 +80,7 @@ def _local_targets(x: DTensor, target: Any, ignore_index: int) -> tuple[torch.Te
 def _nll_loss_forward(x: Any, target: Any, weight: Any, reduction: int, ignore_index: int) -> Any:
     m = _class_mesh_dim(x, 1)
     if m is None or x.ndim != 2 or weight is not None:
-        return dispatch_by_rule(aten.nll_loss_forward.default, (x, target, weight, reduction, ignore_index), {})
+        return dispatcher.dispatch_by_rule(aten.nll_loss_forward.default, (x, target, weight, reduction, ignore_index), {})
     group = x.device_mesh.get_group(m)
     index, here = _local_targets(x, target, ignore_index)
     local = x._local_tensor
@@ -96,7 +96,7 @@ def _nll_loss_forward(x: Any, target: Any, weight: Any, reduction: int, ignore_i
 def _nll_loss_backward(grad: Any, x: Any, target: Any, weight: Any, reduction: int, ignore_index: int, total_weight: Any) -> Any:
     m = _class_mesh_dim(x, 1)
     if m is None or x.ndim != 2 or weight is not None:
-        return dispatch_by_rule(aten.nll_loss_backward.default, (grad, x, target, weight, reduction, ignore_index, total_weight), {})
+        return dispatcher.dispatch_by_rule(aten.nll_loss_backward.default, (grad, x, target, weight, reduction, ignore_index, total_weight), {})
     index, here = _local_targets(x, target, ignore_index)
     g = grad.full_tensor() if isinstance(grad, DTensor) else grad
     if reduction == 1:
@@ -109,7 +109,7 @@ def _nll_loss_backward(grad: Any, x: Any, target: Any, weight: Any, reduction: i
     return _wrap(local, x._spec, x.placements, tuple(x.shape))
 
 
-_OVERRIDES = {
+_OVERRIDES: dict[torch._ops.OpOverload, Callable[..., object]] = {
     aten._log_softmax.default: _log_softmax,
     aten._log_softmax_backward_data.default: _log_softmax_backward,
     aten.nll_loss_forward.default: _nll_loss_forward,
@@ -117,17 +117,6 @@ _OVERRIDES = {
 }
 
 
-@contextmanager
-def loss_parallel() -> Iterator[None]:
+def loss_parallel() -> AbstractContextManager[None]:
     """Compute cross-entropy (forward and backward) on class-sharded logits without gathering them."""
-    previous = {op: overrides.get(op) for op in _OVERRIDES}
-    overrides.update(_OVERRIDES)
-    try:
-        yield
-    finally:
-        for op, fn in previous.items():
-            if fn is None:
-                overrides.pop(op, None)
-            else:
-                overrides[op] = fn
-
+    return dispatcher.overriding(_OVERRIDES)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from spmd.mesh import DeviceMesh
@@ -25,9 +26,9 @@ class ParallelStyle:
         raise NotImplementedError
 
 
-def to_dtensor(x: Any, mesh: DeviceMesh, given: Placement | None, desired: Placement | None) -> Any:
+def to_dtensor(x: object, mesh: DeviceMesh, given: Placement | None, desired: Placement | None) -> object:
     """``x`` as a DTensor laid out ``desired``: a plain tensor is taken as laid out ``given``."""
-    if given is None or not hasattr(x, "shape"):
+    if given is None or not isinstance(x, torch.Tensor):
         return x
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, mesh, [given])
@@ -36,7 +37,7 @@ def to_dtensor(x: Any, mesh: DeviceMesh, given: Placement | None, desired: Place
     return x
 
 
-def from_dtensor(x: Any, mesh: DeviceMesh, layout: Placement | None, use_local_output: bool) -> Any:
+def from_dtensor(x: object, mesh: DeviceMesh, layout: Placement | None, use_local_output: bool) -> object:
     """``x`` redistributed to ``layout``, as its local shard if ``use_local_output``."""
     if not isinstance(x, DTensor):
         return x
@@ -65,7 +66,7 @@ def _input_hook(mesh: DeviceMesh, given: Placement | None, desired: Placement | 
 
 
 def _output_hook(mesh: DeviceMesh, layout: Placement | None, use_local_output: bool) -> Callable[..., Any]:
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+    def hook(module: nn.Module, args: tuple, output: object) -> object:
         return from_dtensor(output, mesh, layout, use_local_output)
 
     return hook

@@ -70,7 +70,7 @@ def embedding_rule(call: OpCall) -> Sharding:
 def _embedding(weight: Any, indices: Any, *rest: Any) -> Any:
     """Vocabulary-parallel embedding (weight rows sharded on one mesh dim, indices replicated): each rank
     looks up the rows it holds, zeros the others, and the result is a partial sum. Other layouts: the rule."""
-    from spmd.tensor.dispatch import dispatch_by_rule
+    from spmd.tensor.dispatch import dispatcher
     from spmd.tensor.dtensor import DTensor
     from spmd.tensor.spec import DTensorSpec, contiguous_stride, local_shape_and_offset
 
@@ -80,7 +80,7 @@ def _embedding(weight: Any, indices: Any, *rest: Any) -> Any:
     if spec is None or len(row_dims) != 1 or not replicated_indices or rest and rest[0] != -1 or any(
         not isinstance(p, Replicate) for m, p in enumerate(spec.placements) if m != row_dims[0]
     ):
-        return dispatch_by_rule(aten.embedding.default, (weight, indices, *rest), {}, embedding_rule)
+        return dispatcher.dispatch_by_rule(aten.embedding.default, (weight, indices, *rest), {}, embedding_rule)
     shape, offset = local_shape_and_offset(spec.shape, spec.mesh, spec.placements)
     ids = indices._local_tensor
     here = (ids >= offset[0]) & (ids < offset[0] + shape[0])

@@ -2,7 +2,7 @@
 
 With --log-dir the files are the user's: whole, and kept. Without it they go to a temp directory
 (as torchrun's): there a file that only copies what the console shows (--tee) keeps the last
-``SPMD_RUN_TEMP_LOG_MIB`` MiB of its stream (default TEMP_LOG_MIB), and the directory is removed at
+``SPMD_RUN_TEMP_LOG_MIB`` MiB of its stream (default ``spmd.launch.args.TEMP_LOG_MIB``), and the directory is removed at
 the agent's exit unless some stream was redirected (--redirects: its file is the output's only copy).
 """
 
@@ -12,13 +12,9 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from spmd.launch.args import RunConfig
-
-#: Of each temp --tee log file (no --log-dir), the MiB kept: the newest output (SPMD_RUN_TEMP_LOG_MIB overrides).
-TEMP_LOG_MIB = 16
+from spmd.launch.args import RunConfig
 
 
 class LogFile(Protocol):
@@ -89,13 +85,3 @@ def open_log(config: RunConfig, path: Path, redirected: bool) -> LogFile:
     return open(path, "wb")  # noqa: SIM115 - closed by the pump thread
 
 
-def temp_log_bytes() -> int:
-    """The bound on each temp --tee log file, from SPMD_RUN_TEMP_LOG_MIB (default TEMP_LOG_MIB)."""
-    text = os.environ.get("SPMD_RUN_TEMP_LOG_MIB", "").strip()
-    try:
-        mib = float(text) if text else TEMP_LOG_MIB
-    except ValueError:
-        mib = -1.0
-    if not mib > 0:
-        raise SystemExit(f"spmd run: SPMD_RUN_TEMP_LOG_MIB={text!r}: give the MiB to keep of each temp --tee log file, e.g. 16")
-    return int(mib * 2**20)

@@ -15,18 +15,14 @@ from typing import TYPE_CHECKING
 
 from spmd import hookspecs
 from spmd.errors import NotProvidedError, PluginSpecError
+from spmd.launch.args import RunConfig, canonical
 from spmd.registry import Registry
 from spmd.specs import RendezvousBackendSpec
 
 if TYPE_CHECKING:
     import torch.distributed as tdist
 
-    from spmd.launch.args import RunConfig
     from spmd.launch.rendezvous import Membership, Rendezvous
-
-#: torchrun's backend names and what serves them here.
-ALIASES = {"static": "c10d", "etcd-v2": "etcd"}
-
 
 class RendezvousBackend(ABC):
     """One agent's link to its job's rendezvous: the agents' store, and each round's store for the workers."""
@@ -51,12 +47,6 @@ class RendezvousBackend(ABC):
 
 RENDEZVOUS_BACKENDS: Registry[str, RendezvousBackendSpec] = Registry(
     hookspecs.spmd_rendezvous_backends, "rendezvous backend", RendezvousBackendSpec)
-
-
-def canonical(name: str | None) -> str:
-    """The backend name ``--rdzv-backend`` means (torchrun's ``static`` is ``c10d``; none given: ``c10d``)."""
-    name = (name or "c10d").strip().lower()
-    return ALIASES.get(name, name)
 
 
 def open_backend(config: RunConfig) -> RendezvousBackend:

@@ -33,7 +33,6 @@ from spmd.comm.collectives import (
 )
 from spmd.comm.group import ProcessGroup
 from spmd.comm.init import (
-    destroy_process_group,
     get_backend,
     get_global_rank,
     get_group_rank,
@@ -41,8 +40,6 @@ from spmd.comm.init import (
     get_process_group_ranks,
     get_rank,
     get_world_size,
-    init,
-    init_process_group,
     is_available,
     is_backend_available,
     new_group,
@@ -78,6 +75,7 @@ from spmd.markers import hookimpl, hookspec
 from spmd.mesh import DeviceMesh, init_device_mesh
 from spmd.registry import Overriding
 from spmd.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from spmd.world import destroy_process_group, init, init_process_group
 
 __version__ = "0.1.0"
 

@@ -135,9 +135,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def _print_binding() -> None:
     """Where each backend binds on this node, and why (the job's store, SPMD_SOCKET_IFNAME, a backend's own variable)."""
-    from spmd.comm.address import binding_towards, job_store_endpoint
+    from spmd.comm.address import binding_towards
     from spmd.comm.registry import backends
     from spmd.errors import SpmdError
+    from spmd.world import job_store_endpoint
 
     endpoint = job_store_endpoint()
     try:

@@ -28,20 +28,19 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from spmd.markers import hookspec
+from spmd.specs import (
+    BackendSpec,
+    ClusterEnvironment,
+    CommHook,
+    PeerContext,
+    PeerMakers,
+    RendezvousBackendSpec,
+    StorageSpec,
+    StrategySpec,
+)
 
-if TYPE_CHECKING:  # annotations only: importing these at run time would load the whole kernel
+if TYPE_CHECKING:  # torch's operator types, for the annotation alone (importing torch here would be slow)
     from torch._ops import OpOverload, OpOverloadPacket
-
-    from spmd.bench.timing import PeerContext
-    from spmd.checkpoint.storage import StorageSpec
-    from spmd.comm.backend import BackendSpec
-    from spmd.launch.environments import ClusterEnvironment
-    from spmd.launch.rdzv_backends import RendezvousBackendSpec
-    from spmd.parallel.comm_hooks import CommHook
-    from spmd.parallel.registry import StrategySpec
-
-    #: What a bench peer factory returns: op name -> ``make(nbytes) -> call()``.
-    PeerMakers = Mapping[str, Callable[[int], Callable[[], object]]]
 
 
 @hookspec

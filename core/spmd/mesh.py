@@ -283,7 +283,7 @@ def ensure_world() -> None:
     from spmd.comm.state import is_initialized
 
     if not is_initialized():
-        from spmd.comm.init import init_process_group
+        from spmd.world import init_process_group
 
         init_process_group()
 

@@ -13,18 +13,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
-
-@dataclass(frozen=True)
-class PeerContext:
-    """What a raw-library peer needs to build its side: the world and a private store prefix."""
-
-    rank: int
-    world_size: int
-    store: Any
-    timeout_s: float
+from spmd.specs import PeerContext as PeerContext
 
 
 def size_sweep(min_bytes: int = 4, max_bytes: int = 64 << 20, factor: int = 4) -> list[int]:

@@ -23,9 +23,10 @@ from spmd.checkpoint.metadata import (
     TensorEntry,
     is_data_dir,
 )
+from spmd.checkpoint.pending import wait_pending
 from spmd.checkpoint.planner import Box, covered, is_contiguous_box, plan_reads, span
 from spmd.checkpoint.safetensors_io import byte_view, tensor_from
-from spmd.checkpoint.schema import MAX_METADATA_BYTES
+from spmd.checkpoint.schema import MAX_METADATA_BYTES, parse_metadata
 from spmd.checkpoint.stateful import expand_stateful, restore_stateful
 from spmd.checkpoint.storage import Storage, checkpoint_location, open_storage
 
@@ -45,7 +46,7 @@ def read_metadata(storage: Storage, checkpoint_id: str) -> Metadata:
     if size > MAX_METADATA_BYTES:
         raise CheckpointError(f"{where} is {size} bytes, more than the {MAX_METADATA_BYTES} a checkpoint's metadata "
                               "may have; it is damaged or not an spmd checkpoint")
-    return Metadata.from_json(storage.read(METADATA_FILE, 0, size), where)
+    return parse_metadata(storage.read(METADATA_FILE, 0, size), where)
 
 
 def _target(tensor: torch.Tensor) -> tuple[torch.Tensor, Box | None]:
@@ -123,8 +124,6 @@ def load(
         sd = {"model": model.state_dict()}
         spmd.checkpoint.load(sd, checkpoint_id="ckpt/step-100")
     """
-    from spmd.checkpoint.async_save import wait_pending
-
     wait_pending()
     checkpoint_id = checkpoint_location(checkpoint_id, storage_reader, "load")
     storage = open_storage(checkpoint_id)

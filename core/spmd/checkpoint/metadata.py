@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from spmd.errors import SpmdError
+from spmd.checkpoint.errors import CheckpointError
+from spmd.checkpoint.errors import CheckpointFileMissing as CheckpointFileMissing
 
 FORMAT = "spmd-checkpoint"
 VERSION = 1
@@ -49,15 +50,6 @@ TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}
 def is_data_dir(name: str) -> bool:
     """Whether ``name`` (a top-level entry of a checkpoint) is a save's data directory."""
     return DATA_DIR.fullmatch(name) is not None
-
-
-class CheckpointError(SpmdError):
-    """A checkpoint is missing, partial, damaged or unsafe, or does not match the state dict it is loaded into."""
-
-
-class CheckpointFileMissing(CheckpointError, FileNotFoundError):
-    """A file a checkpoint names does not exist: a CheckpointError for its readers, and a FileNotFoundError
-    (the Storage contract's "not there") for code that probes for a file, such as a save's claim."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -134,10 +126,3 @@ class Metadata:
             "values": self.values,
         }
         return json.dumps(doc, indent=1).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes | bytearray | memoryview, where: str = "metadata.json") -> Metadata:
-        """Parse and validate ``metadata.json`` (untrusted input); an error names the file and the field."""
-        from spmd.checkpoint.schema import parse_metadata
-
-        return parse_metadata(data, where)

@@ -36,6 +36,7 @@ from spmd.checkpoint.metadata import (
     dtype_name,
     is_data_dir,
 )
+from spmd.checkpoint.pending import wait_pending
 from spmd.checkpoint.planner import (
     Box,
     TensorDesc,
@@ -47,6 +48,7 @@ from spmd.checkpoint.planner import (
 )
 from spmd.checkpoint.ranks import Ranks
 from spmd.checkpoint.safetensors_io import write_file
+from spmd.checkpoint.schema import parse_metadata
 from spmd.checkpoint.stateful import expand_stateful
 from spmd.checkpoint.storage import Storage, checkpoint_location, open_storage
 from spmd.errors import first_line
@@ -248,7 +250,7 @@ def is_committed(storage: Storage | None, job: SaveJob) -> bool:
     """Whether ``metadata.json`` at the job's checkpoint names the job's data directory (its commit happened)."""
     try:
         storage = storage if storage is not None else open_storage(job.checkpoint_id)
-        return Metadata.from_json(storage.read(METADATA_FILE)).data_dir == job.data_dir
+        return parse_metadata(storage.read(METADATA_FILE)).data_dir == job.data_dir
     except Exception:  # noqa: BLE001 - no readable metadata naming this save: not committed
         return False
 
@@ -315,8 +317,6 @@ def save(
 
         spmd.checkpoint.save({"model": model.state_dict(), "step": 100}, checkpoint_id="ckpt/step-100")
     """
-    from spmd.checkpoint.async_save import wait_pending
-
     wait_pending()
     ranks = Ranks(process_group)
     job = prepare(expand_stateful(state_dict), checkpoint_location(checkpoint_id, storage_writer, "save"), ranks)

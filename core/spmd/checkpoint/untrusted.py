@@ -11,7 +11,7 @@ import json
 import re
 from typing import Any
 
-from spmd.checkpoint.metadata import CheckpointError
+from spmd.checkpoint.errors import CheckpointError
 
 #: The deepest nesting of lists and objects a checkpoint's JSON may have (spmd's own nests a few levels).
 MAX_NESTING = 64

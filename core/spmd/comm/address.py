@@ -136,17 +136,3 @@ def binding_for_store(store: Any) -> Binding:
             return binding_towards("", 0)
         return Binding(None, None, "the job's store is not a TCP store (a file or in-process store): the backend's default address")
     return binding_towards(*endpoint)
-
-
-def job_store_endpoint() -> tuple[str, int] | None:
-    """The job's store as this process's launcher environment names it (``spmd run``'s agent, else MASTER_ADDR:PORT), or None."""
-    agent = settings.current().agent_store
-    if agent and agent.rpartition(":")[2].isdigit():
-        host, _, port = agent.rpartition(":")
-        return host, int(port)
-    from spmd.launch.environments import detect_launch
-
-    detected = detect_launch()
-    if detected is None or not detected[1].master_port or detected[1].world_size <= 1:
-        return None
-    return detected[1].master_addr, detected[1].master_port

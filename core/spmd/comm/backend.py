@@ -32,13 +32,10 @@ before it is needed) for ``spmd doctor`` to read.
 from __future__ import annotations
 
 import abc
-import importlib
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -48,6 +45,8 @@ from spmd.comm.algorithms.channel import Channel
 from spmd.comm.buffers import BufferPool
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import NativeWork, Work
+from spmd.specs import BackendContext
+from spmd.specs import BackendSpec as BackendSpec
 
 #: Tags at or above this value belong to the kernel's generic collectives.
 COLLECTIVE_TAG_BASE = 1 << 24
@@ -68,80 +67,6 @@ COLLECTIVE_OPS = (
     "barrier",
     "split",
 )
-
-
-@dataclass(frozen=True)
-class BackendContext:
-    """Everything a backend factory needs to build one group's backend on one device type."""
-
-    rank: int
-    size: int
-    store: Any  # a torch.distributed.Store, already prefixed for this group and device
-    timeout: timedelta
-    group_name: str
-    options: dict[str, Any] = field(default_factory=dict)
-    device_type: str = "cpu"
-    global_ranks: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """What a plugin declares about one backend (returned from ``spmd_backends``).
-
-    ``factory(ctx)`` builds the Backend; keep heavy native imports inside it.
-    ``available()`` returns None when the native dependency is usable, else the
-    reason it is not (``spmd doctor`` prints it; it must not import heavily
-    either where a cheap check exists). Higher ``priority`` wins when
-    ``spmd.init()`` picks a backend by itself. ``overrides=True`` lets this
-    spec replace another plugin's spec of the same name instead of conflicting.
-    """
-
-    name: str
-    devices: tuple[str, ...]
-    factory: Callable[[BackendContext], Backend]
-    priority: int = 0
-    available: Callable[[], str | None] | None = None
-    #: The Backend subclass ``factory`` builds, or its path ``"module:Class"`` (imported only
-    #: when asked, by ``spmd doctor``): its overrides and ``supports_avg`` are the backend's
-    #: capabilities. Not needed when ``factory`` is the class itself.
-    backend_class: type[Backend] | str | None = None
-    description: str = ""
-    overrides: bool = False
-    #: ``precheck(ctx)``: None, or why this backend cannot serve ``ctx``'s group at all (a
-    #: launcher that does not match the library...). Called at the group's first use, before the
-    #: kernel waits for the other members, so a misconfiguration is named at once instead of
-    #: after a timeout; it may load the native library, and must not wait for peers.
-    precheck: Callable[[BackendContext], str | None] | None = None
-    #: A command prefix that starts this backend's ranks (``("mpiexec", "-n", "{nproc}")``),
-    #: for tools that launch jobs themselves (``spmd bench``); None means plain processes.
-    launch: tuple[str, ...] | None = None
-    #: ``where_it_binds(binding)``: the address or interface this backend will use on this node and
-    #: why, given the kernel's ``spmd.comm.address.Binding`` (``spmd doctor`` prints it); None: not told.
-    where_it_binds: Callable[[Any], str] | None = None
-
-    def backend_type(self) -> type[Backend] | None:
-        """The Backend subclass this spec builds (``backend_class``, or ``factory`` when it is one), or None."""
-        cls = self.backend_class
-        if isinstance(cls, str):
-            module, _, name = cls.partition(":")
-            cls = getattr(importlib.import_module(module), name)
-        if cls is None and isinstance(self.factory, type) and issubclass(self.factory, Backend):
-            cls = self.factory
-        return cls
-
-    def native_ops(self) -> frozenset[str] | None:
-        """The collectives this backend implements natively, read off its class; None if the spec names none."""
-        cls = self.backend_type()
-        return cls.native_ops() if cls is not None else None
-
-    def unavailable_reason(self) -> str | None:
-        """None if usable here, else why not."""
-        if self.available is None:
-            return None
-        try:
-            return self.available()
-        except Exception as error:  # noqa: BLE001 - a broken check is itself the reason
-            return f"availability check raised {type(error).__name__}: {error}"
 
 
 class _GenericRunner:

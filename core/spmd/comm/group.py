@@ -15,7 +15,12 @@ from spmd.comm.registry import backends
 from spmd.comm.store_wait import missing_keys
 from spmd.comm.work import Timeout, Work, seconds
 from spmd.debug.recorder import recorder
-from spmd.errors import BackendUnavailableError, CollectiveError, CollectiveTimeoutError
+from spmd.errors import (
+    BackendUnavailableError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    PluginSpecError,
+)
 
 _names_created: dict[str, int] = {}
 
@@ -275,9 +280,15 @@ class ProcessGroup:
             backend = parent_backend.split(local, ctx)
         if backend is None:
             try:
-                backend = spec.factory(ctx)
+                built = spec.factory(ctx)
             except Exception as error:
                 raise self._creation_error(spec.name, entry.plugin, device_type, error) from error
+            if not isinstance(built, Backend):
+                raise PluginSpecError(
+                    f"backend {spec.name!r} (plugin {entry.plugin!r}): its factory returned {type(built).__name__}, "
+                    "not a spmd.Backend; a factory must build an instance of a spmd.comm.backend.Backend subclass"
+                )
+            backend = built
         if not hasattr(backend, "ctx"):
             backend.ctx = ctx  # a third-party backend that skipped super().__init__
         return backend

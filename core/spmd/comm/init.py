@@ -1,4 +1,6 @@
-"""init_process_group, groups and teardown, with torch.distributed's semantics."""
+"""The world group as comm owns it (start, teardown), groups, and the queries, with torch.distributed's semantics.
+
+How a user joins the world (launcher detection, torch's default group) is ``spmd.world``, above comm."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import signal
 import sys
 import threading
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -34,48 +36,10 @@ FINAL_CHECK_S = 3.0
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
-def _default_timeout() -> timedelta:
+def default_timeout() -> timedelta:
+    """The world's timeout when none is given: ``SPMD_TIMEOUT`` seconds, else 10 minutes."""
     value = settings.current().timeout
     return timedelta(seconds=value) if value is not None else DEFAULT_TIMEOUT
-
-
-def _resolve_world(init_method: str | None, rank: int, world_size: int) -> tuple[int, int, str, int]:
-    """rank, world size, master address and port from arguments, URL or launcher environment."""
-    from spmd.launch.environments import DEFAULT_MASTER_PORT, detect_launch
-
-    detected = detect_launch() if init_method in (None, "env://") else None
-    addr, port = "127.0.0.1", 0
-    if detected is not None:
-        _, info = detected
-        rank = info.rank if rank < 0 else rank
-        world_size = info.world_size if world_size < 0 else world_size
-        addr, port = info.master_addr, info.master_port
-    elif init_method in (None, "env://") and (os.environ.get("MASTER_ADDR") or os.environ.get("MASTER_PORT")):
-        # torch's env:// with rank= and world_size= passed: the master comes from the environment.
-        addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        port = int(os.environ.get("MASTER_PORT") or DEFAULT_MASTER_PORT)
-    elif init_method and init_method.startswith("tcp://"):
-        url = urllib.parse.urlparse(init_method)
-        query = urllib.parse.parse_qs(url.query)
-        addr, port = url.hostname or "127.0.0.1", url.port or 29500
-        rank = int(query["rank"][0]) if rank < 0 and "rank" in query else rank
-        world_size = int(query["world_size"][0]) if world_size < 0 and "world_size" in query else world_size
-    if rank < 0 or world_size < 0:
-        raise SpmdError(
-            "spmd.init could not tell this process's rank and world size: no launcher "
-            "environment was found (RANK/WORLD_SIZE from `spmd run` or torchrun, mpiexec, srun). "
-            "Launch with `spmd run --nproc-per-node N script.py`, or pass rank= and world_size="
-        )
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is out of range for world size {world_size}: ranks are 0..{world_size - 1}")
-    if port == 0 and world_size > 1 and not (init_method or "").startswith("file://") and not settings.current().agent_store:
-        raise SpmdError(
-            f"spmd.init(rank={rank}, world_size={world_size}) has no rendezvous address: set MASTER_ADDR and "
-            "MASTER_PORT in the environment (as torch's env:// does, e.g. MASTER_ADDR=127.0.0.1 "
-            "MASTER_PORT=29500), or pass init_method='tcp://host:port' or store=; or launch with "
-            "`spmd run --nproc-per-node N script.py`, which sets them"
-        )
-    return rank, world_size, addr, port
 
 
 def _agent_store(endpoint: str, timeout: timedelta) -> tdist.Store:
@@ -95,7 +59,7 @@ def _agent_store(endpoint: str, timeout: timedelta) -> tdist.Store:
     return tdist.PrefixStore(settings.current().store_prefix, job_scope(client))
 
 
-def _make_store(
+def make_store(
     init_method: str | None, rank: int, world_size: int, addr: str, port: int, timeout: timedelta
 ) -> tuple[tdist.Store, str | None]:
     """The job's store, and who hosts it, as errors name it when it is gone (None: not known)."""
@@ -134,47 +98,8 @@ def _make_store(
         ) from error
 
 
-def init_process_group(
-    backend: str | Mapping[str, str] | None = None,
-    init_method: str | None = None,
-    timeout: timedelta | float | None = None,
-    world_size: int = -1,
-    rank: int = -1,
-    store: tdist.Store | None = None,
-    group_name: str = "world",
-    pg_options: Mapping[str, Any] | None = None,
-    device_id: Any = None,
-    trace_dir: str | os.PathLike | None = None,
-    *,
-    torch_interop: bool | None = None,
-) -> ProcessGroup:
-    """Join the job: rendezvous with the other ranks and create the world group.
-
-    ``backend`` is ``"gloo"``, ``"cpu:gloo,cuda:nccl"``, the same as a dict, or
-    None for the best installed backend per device type. Rank and world size
-    come from the arguments, the ``init_method`` URL (``env://``,
-    ``tcp://host:port``, ``file:///path``), an explicit ``store``, or the
-    launcher's environment (``spmd run``, torchrun, mpiexec, srun). A plain
-    ``python script.py`` with none of those runs as a world of one. Backends
-    are created lazily, on the first tensor of their device. ``trace_dir``
-    is where flight-recorder dumps go (default ``$SPMD_TRACE_DIR`` or
-    ``./spmd_traces``).
-
-    torch.distributed follows: unless ``torch_interop=False`` (or
-    ``SPMD_TORCH_INTEROP=0``), torch's default group becomes backend
-    ``"spmd"`` on this world, so libraries that ask torch.distributed
-    (``DistributedSampler``, torch's DDP, functional collectives) run on
-    spmd's backend. If torch.distributed was initialised first, spmd joins
-    its rank, world size and store instead.
-    """
-    from spmd import interop
-
-    if state.is_initialized():
-        if interop.started_by_torch():
-            return state.get_state().world  # torch.distributed.init_process_group("spmd") started it
-        raise SpmdError("spmd is already initialised; call spmd.destroy_process_group() before init again")
-    settings.refresh()  # an entry point: variables set since import count (spmd.settings)
-    timeout = _as_timedelta(timeout) or _default_timeout()
+def check_backends(backend: str | Mapping[str, str] | None) -> dict[str, str] | None:
+    """The per-device backend map ``backend`` asks for; an unknown name, or a bare name unusable here, fails now."""
     backend_map = parse_backend_string(backend)
     if backend_map is not None:
         for name in set(backend_map.values()):
@@ -185,38 +110,37 @@ def init_process_group(
             reason = entry.spec.unavailable_reason() if isinstance(backend, str) and ":" not in backend else None
             if reason is not None:
                 raise BackendUnavailableError(f"backend {name!r} (plugin {entry.plugin!r}) cannot run here: {reason}")
-    joined = interop.torch_world() if store is None and init_method is None else None
-    if joined is not None:
-        torch_rank, torch_size, store = joined
-        rank, world_size = (torch_rank if rank < 0 else rank), (torch_size if world_size < 0 else world_size)
-    store_host: str | None = None  # a store handed in (store=, torch's): its host is not known here
-    if store is None:
-        launcher_env = init_method is None and rank < 0 and world_size < 0
-        from spmd.launch.environments import detect_launch
+    return backend_map
 
-        if launcher_env and detect_launch() is None:
-            rank, world_size, addr, port = 0, 1, "127.0.0.1", 0
-            log.info("spmd.init: no launcher detected, running as a world of one")
-        else:
-            rank, world_size, addr, port = _resolve_world(init_method, rank, world_size)
-        store, store_host = _make_store(init_method, rank, world_size, addr, port, timeout)
-        baseline = world_baseline(store)  # before the arrivals: what the store numbers later is this world's
-        if world_size > 1:
-            await_arrivals(store, rank, world_size, timeout)  # names a rank that never came, on every rank
-    elif rank < 0 or world_size < 0:
-        raise ValueError("init_process_group(store=...) also needs rank= and world_size=")
-    elif not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is out of range for world size {world_size}: ranks are 0..{world_size - 1}")
-    else:  # a store handed in: no arrival step to read it before, so as early as this rank can
-        baseline = world_baseline(store)
 
+def start_world(
+    store: tdist.Store,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    backend_map: dict[str, str] | None,
+    *,
+    group_name: str = "world",
+    pg_options: Mapping[str, Any] | None = None,
+    trace_dir: str | os.PathLike | None = None,
+    store_host: str | None = None,
+    await_all: bool = False,
+    on_end: Callable[[], None] | None = None,
+) -> ProcessGroup:
+    """Create the world group on ``store`` (shared by every rank), start its watchdog, and close it at exit.
+
+    ``await_all``: first wait for every rank to arrive on the store (names a rank
+    that never came). ``store_host``: who hosts the store, as errors name it.
+    ``on_end`` runs at the world's teardown, before the groups close.
+    """
+    baseline = world_baseline(store)  # before the arrivals: what the store numbers later is this world's
+    if await_all and world_size > 1:
+        await_arrivals(store, rank, world_size, timeout)  # names a rank that never came, on every rank
     forget_group_names()  # a new world numbers its groups' reused names afresh, as every rank does
     world = ProcessGroup(group_name, range(world_size), rank, store, timeout, backend_map, pg_options)
-    state.set_state(state.WorldState(world=world, store=store, groups={group_name: world}))
+    state.set_state(state.WorldState(world=world, store=store, groups={group_name: world}, on_end=on_end))
     atexit.register(_close_at_exit)
     _start_debugging(store, rank, trace_dir, store_host, baseline)
-    if joined is None and not tdist.is_initialized() and interop.interop_requested(torch_interop):
-        interop.attach(world, store, timeout)
     return world
 
 
@@ -246,7 +170,7 @@ def _close_at_exit() -> None:
     """
     if state.is_initialized():
         try:
-            destroy_process_group()
+            end_world()
         except SpmdError as error:
             print(f"spmd: the teardown at exit failed, exiting with status 1: {type(error).__name__}: {error}",
                   file=sys.stderr)
@@ -256,38 +180,36 @@ def _close_at_exit() -> None:
             os._exit(1)
 
 
-#: The short name spmd recommends; identical to ``init_process_group``.
-init = init_process_group
+def end_world() -> None:
+    """Tear down every group and the world; a new world may start afterwards.
 
-
-def destroy_process_group(group: ProcessGroup | None = None) -> None:
-    """Tear down one group, or (with None) every group and the world; init may be called again.
-
-    Tearing down the world first lets registered work finish on the groups
-    (``teardown``: a pending ``async_save`` is waited for, within the world's
-    timeout); if that work failed, its error is raised after the teardown.
+    Registered work finishes on the groups first (``teardown``: a pending
+    ``async_save`` is waited for, within the world's timeout); if that work
+    failed, its error is raised after the teardown.
     """
-    current = state.get_state()
-    if group is None or group is current.world:
-        from spmd import interop
-        from spmd.comm.health import watchdog
+    from spmd.comm.health import watchdog
 
-        unfinished = teardown.run_before_destroy(current.world.timeout_s)
-        dog = watchdog.current()
-        # the mismatch check looks once more: calls made since its last step would otherwise go unchecked
-        disagreement = dog.final_check(FINAL_CHECK_S) if dog is not None else None
-        interop.detach()
-        watchdog.stop()
-        for g in list(current.groups.values()):
-            g.close()
-        state.set_state(None)
-        if disagreement is not None:
-            raise CollectiveDesyncError(f"destroy_process_group: {disagreement}") from unfinished
-        if unfinished is not None:
-            raise unfinished
-        return
+    current = state.get_state()
+    unfinished = teardown.run_before_destroy(current.world.timeout_s)
+    dog = watchdog.current()
+    # the mismatch check looks once more: calls made since its last step would otherwise go unchecked
+    disagreement = dog.final_check(FINAL_CHECK_S) if dog is not None else None
+    if current.on_end is not None:
+        current.on_end()
+    watchdog.stop()
+    for g in list(current.groups.values()):
+        g.close()
+    state.set_state(None)
+    if disagreement is not None:
+        raise CollectiveDesyncError(f"destroy_process_group: {disagreement}") from unfinished
+    if unfinished is not None:
+        raise unfinished
+
+
+def close_group(group: ProcessGroup) -> None:
+    """Tear down one group that is not the world."""
     group.close()
-    current.groups.pop(group.name, None)
+    state.get_state().groups.pop(group.name, None)
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
@@ -391,7 +313,7 @@ def new_group(
         members,
         world.ranks[world.rank],
         current.store,
-        _as_timedelta(timeout) or world.timeout,
+        as_timedelta(timeout) or world.timeout,
         backend_map,
         pg_options or world.options,
         parent=world,
@@ -452,7 +374,7 @@ def split_group(
         [parent.ranks[i] for _, i in members],
         parent.ranks[parent.rank],
         current.store,
-        _as_timedelta(timeout) or parent.timeout,
+        as_timedelta(timeout) or parent.timeout,
         backend_map,
         pg_options or parent.options,
         parent=parent,
@@ -507,5 +429,6 @@ def _child_backends(parent: ProcessGroup, backend: str | Mapping[str, str] | Non
     return requested
 
 
-def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
+def as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
+    """A timeout given in seconds or as a timedelta, as a timedelta (None stays None)."""
     return timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as tdist
@@ -23,6 +24,9 @@ class WorldState:
     splits_created: dict[str, int] = field(default_factory=dict)
     #: (scope, name) -> groups given that name so far, counted on every rank that made the call (see init.agreed_name).
     names_used: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: Run by the world's teardown after the last checks and before the groups close (the layer
+    #: above that started the world undoes what it tied to it: torch's default group).
+    on_end: Callable[[], None] | None = None
 
 
 _state: WorldState | None = None

@@ -19,6 +19,7 @@ from torch.distributed import distributed_c10d as c10d
 from spmd import settings
 from spmd.comm import state
 from spmd.comm.group import ProcessGroup
+from spmd.comm.init import check_backends, default_timeout, end_world, start_world
 from spmd.interop.process_group import SpmdProcessGroup
 
 #: The name torch.distributed knows spmd's backend by.
@@ -89,14 +90,14 @@ def _create(options: Any, pg_options: Any) -> SpmdProcessGroup:
     timeout = options.timeout if isinstance(options.timeout, timedelta) else None
     if not state.is_initialized():
         # torch.distributed.init_process_group("spmd") came first: start spmd on torch's store.
-        from spmd.comm.init import init_process_group
-
         backend = pg_options if isinstance(pg_options, (str, dict)) else None
-        if timeout == c10d.default_pg_timeout:  # torch's default, not the caller's: spmd's (SPMD_TIMEOUT, else 10 min)
-            timeout = None
-        init_process_group(backend, store=options.store, rank=rank, world_size=size, timeout=timeout, torch_interop=False)
+        if timeout is None or timeout == c10d.default_pg_timeout:  # torch's default, not the caller's: spmd's
+            timeout = default_timeout()  # (SPMD_TIMEOUT, else 10 min)
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is out of range for world size {size}: ranks are 0..{size - 1}")
+        world = start_world(options.store, rank, size, timeout, check_backends(backend), on_end=detach)
         _torch_started = True
-        return SpmdProcessGroup(state.get_state().world)
+        return SpmdProcessGroup(world, end_world=end_world)  # torch's destroy_process_group ends this world too
     current = state.get_state()
     world = current.world
     if not tdist.is_initialized() and (not ranks or ranks == list(world.ranks)):

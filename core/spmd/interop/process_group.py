@@ -14,7 +14,7 @@ a ``TorchWork`` over the spmd Work.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -59,9 +59,11 @@ def _gather(works: Sequence[Work | None]) -> Work:
 class SpmdProcessGroup(tdist.ProcessGroup):
     """torch.distributed's view of one spmd ProcessGroup (ranks in the same order)."""
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(self, group: ProcessGroup, end_world: Callable[[], None] | None = None) -> None:
         super().__init__(group.rank, group.size)  # type: ignore[call-arg]
         self.spmd_group = group
+        #: Set when torch.distributed.init_process_group("spmd") started ``group`` as spmd's world: ends it.
+        self._end_world = end_world
         self._name = ""
         self._desc = ""
 
@@ -89,11 +91,9 @@ class SpmdProcessGroup(tdist.ProcessGroup):
         timeout). A world ``spmd.init`` started stays until ``spmd.destroy_process_group``.
         """
         from spmd.comm import state
-        from spmd.comm.init import destroy_process_group
-        from spmd.interop import bridge
 
-        if bridge.started_by_torch() and self.spmd_group is state.get_state().world:
-            destroy_process_group()
+        if self._end_world is not None and state.is_initialized() and self.spmd_group is state.get_state().world:
+            self._end_world()
 
     # torch names the group after creating it (_set_group_name), and C++ reads the name back
     # (functional collectives resolve groups by it): both go through these overrides.

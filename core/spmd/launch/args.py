@@ -9,8 +9,12 @@ from dataclasses import dataclass
 
 from spmd import settings
 from spmd.errors import SettingError
-from spmd.launch.logs import TEMP_LOG_MIB, temp_log_bytes
-from spmd.launch.rdzv_backends import canonical
+
+#: Of each temp --tee log file (no --log-dir), the MiB kept: the newest output (SPMD_RUN_TEMP_LOG_MIB overrides).
+TEMP_LOG_MIB = 16
+
+#: torchrun's backend names and what serves them here.
+ALIASES = {"static": "c10d", "etcd-v2": "etcd"}
 
 
 @dataclass(frozen=True)
@@ -246,3 +250,15 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         temp_log_bytes=temp_log_bytes(),
         rdzv_backend=backend,
     )
+
+
+def temp_log_bytes() -> int:
+    """The bound on each temp --tee log file, from SPMD_RUN_TEMP_LOG_MIB (default TEMP_LOG_MIB)."""
+    mib = settings.current().run_temp_log_mib
+    return int((mib if mib is not None else TEMP_LOG_MIB) * 2**20)
+
+
+def canonical(name: str | None) -> str:
+    """The backend name ``--rdzv-backend`` means (torchrun's ``static`` is ``c10d``; none given: ``c10d``)."""
+    name = (name or "c10d").strip().lower()
+    return ALIASES.get(name, name)

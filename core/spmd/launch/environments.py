@@ -12,42 +12,14 @@ import re
 import socket
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Protocol
 
 from spmd import hookspecs
 from spmd.errors import SpmdError
 from spmd.markers import hookimpl
 from spmd.registry import Registry
+from spmd.specs import ClusterEnvironment, LaunchInfo
 
 DEFAULT_MASTER_PORT = 29500
-
-
-@dataclass(frozen=True)
-class LaunchInfo:
-    """Where this process sits in the job, as its launcher told it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-
-class ClusterEnvironment(Protocol):
-    """What ``spmd_cluster_environments`` returns: one launcher's view of rank, world and master.
-
-    ``detect`` must be cheap and side-effect free (it reads environment
-    variables); ``launch_info`` is called only on the environment that detected.
-    """
-
-    name: str
-    #: Higher is asked first (a scheduler's variables outrank a generic launcher's).
-    priority: int
-
-    def detect(self) -> bool: ...
-
-    def launch_info(self) -> LaunchInfo: ...
 
 
 def _env_int(*names: str) -> int | None:

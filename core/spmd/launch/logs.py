@@ -2,7 +2,7 @@
 
 With --log-dir the files are the user's: whole, and kept. Without it they go to a temp directory
 (as torchrun's): there a file that only copies what the console shows (--tee) keeps the last
-``SPMD_RUN_TEMP_LOG_MIB`` MiB of its stream (default TEMP_LOG_MIB), and the directory is removed at
+``SPMD_RUN_TEMP_LOG_MIB`` MiB of its stream (default ``spmd.launch.args.TEMP_LOG_MIB``), and the directory is removed at
 the agent's exit unless some stream was redirected (--redirects: its file is the output's only copy).
 """
 
@@ -12,15 +12,9 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from spmd import settings
-
-if TYPE_CHECKING:
-    from spmd.launch.args import RunConfig
-
-#: Of each temp --tee log file (no --log-dir), the MiB kept: the newest output (SPMD_RUN_TEMP_LOG_MIB overrides).
-TEMP_LOG_MIB = 16
+from spmd.launch.args import RunConfig
 
 
 class LogFile(Protocol):
@@ -91,7 +85,3 @@ def open_log(config: RunConfig, path: Path, redirected: bool) -> LogFile:
     return open(path, "wb")  # noqa: SIM115 - closed by the pump thread
 
 
-def temp_log_bytes() -> int:
-    """The bound on each temp --tee log file, from SPMD_RUN_TEMP_LOG_MIB (default TEMP_LOG_MIB)."""
-    mib = settings.current().run_temp_log_mib
-    return int((mib if mib is not None else TEMP_LOG_MIB) * 2**20)

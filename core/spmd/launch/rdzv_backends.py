@@ -11,23 +11,18 @@ round's workers which c10d store to keep their job keys in. Builtin: ``c10d``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from spmd import hookspecs
-from spmd.errors import NotProvidedError
+from spmd.errors import NotProvidedError, PluginSpecError
+from spmd.launch.args import RunConfig, canonical
 from spmd.registry import Registry
+from spmd.specs import RendezvousBackendSpec
 
 if TYPE_CHECKING:
     import torch.distributed as tdist
 
-    from spmd.launch.args import RunConfig
     from spmd.launch.rendezvous import Membership, Rendezvous
-
-#: torchrun's backend names and what serves them here.
-ALIASES = {"static": "c10d", "etcd-v2": "etcd"}
-
 
 class RendezvousBackend(ABC):
     """One agent's link to its job's rendezvous: the agents' store, and each round's store for the workers."""
@@ -50,24 +45,8 @@ class RendezvousBackend(ABC):
         """Release what the agent holds; ``last``: every other agent has left, the job's keys may go."""
 
 
-@dataclass(frozen=True)
-class RendezvousBackendSpec:
-    """What ``spmd_rendezvous_backends()`` returns: ``--rdzv-backend NAME`` and ``factory(config) -> RendezvousBackend``."""
-
-    name: str
-    factory: Callable[[RunConfig], RendezvousBackend]
-    description: str = ""
-    overrides: bool = False
-
-
 RENDEZVOUS_BACKENDS: Registry[str, RendezvousBackendSpec] = Registry(
     hookspecs.spmd_rendezvous_backends, "rendezvous backend", RendezvousBackendSpec)
-
-
-def canonical(name: str | None) -> str:
-    """The backend name ``--rdzv-backend`` means (torchrun's ``static`` is ``c10d``; none given: ``c10d``)."""
-    name = (name or "c10d").strip().lower()
-    return ALIASES.get(name, name)
 
 
 def open_backend(config: RunConfig) -> RendezvousBackend:
@@ -78,4 +57,10 @@ def open_backend(config: RunConfig) -> RendezvousBackend:
             f"--rdzv-backend {config.rdzv_backend!r}: no plugin provides it; installed: {', '.join(RENDEZVOUS_BACKENDS.keys()) or 'none'} "
             "(`spmd plugins` lists what each plugin provides)"
         )
-    return entry.spec.factory(config)
+    backend = entry.spec.factory(config)
+    if not isinstance(backend, RendezvousBackend):
+        raise PluginSpecError(
+            f"rendezvous backend {entry.key!r} (plugin {entry.plugin!r}): its factory returned {type(backend).__name__}, "
+            "not a spmd.launch.rdzv_backends.RendezvousBackend; a factory must build an instance of a subclass of it"
+        )
+    return backend

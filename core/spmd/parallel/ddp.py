@@ -161,7 +161,8 @@ class DistributedDataParallel(nn.Module):
             return
         if self._join is not None:
             raise SpmdError("DistributedDataParallel.join() is already active on this model; do not nest it")
-        join = Join(self, divide_by_initial_world_size, throw_on_early_termination)
+        join = Join(self.process_group, self.reducer, self.module, self.broadcast_buffers,
+                    divide_by_initial_world_size, throw_on_early_termination)
         self._join = join
         try:
             yield

@@ -18,16 +18,13 @@ which may have joined already.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from spmd.comm.collectives import all_reduce
+from spmd.comm.group import ProcessGroup
 from spmd.errors import SpmdError
+from spmd.parallel.reducer import Reducer
 from spmd.parallel.sync import broadcast_coalesced
-
-if TYPE_CHECKING:
-    from spmd.parallel.ddp import DistributedDataParallel
 
 #: A rank's slot in a round: 0 joined; ACTIVE, plus SYNC when this iteration's backward syncs.
 ACTIVE, SYNC = 2, 1
@@ -36,9 +33,13 @@ ACTIVE, SYNC = 2, 1
 class Join:
     """The state of one ``DistributedDataParallel.join()`` context on this rank."""
 
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool, throw_on_early_termination: bool) -> None:
-        self.ddp = ddp
-        self.group = ddp.process_group
+    def __init__(self, group: ProcessGroup, reducer: Reducer, module: torch.nn.Module, broadcast_buffers: bool,
+                 divide_by_initial_world_size: bool, throw_on_early_termination: bool) -> None:
+        self.group = group
+        #: The DDP model's parts that a joined rank keeps in step: its reducer and its module's buffers.
+        self.reducer = reducer
+        self.module = module
+        self.broadcast_buffers = broadcast_buffers
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.throw_on_early_termination = throw_on_early_termination
         #: Group rank whose state counts: the highest active rank of the last round with any.
@@ -72,24 +73,23 @@ class Join:
     def before_forward(self, sync: bool) -> int:
         """Announce this iteration; returns the group rank to broadcast buffers from."""
         active, _ = self._round(sync)
-        reducer = self.ddp.reducer
+        reducer = self.reducer
         reducer.divisor = self.group.size if self.divide_by_initial_world_size else len(active)
         return self.authority
 
     # -- a rank without data: until every rank is out ----------------------------------------
     def shadow_until_all_joined(self) -> None:
         """Match the active ranks' collectives with zeros until none is left, then take the final state."""
-        ddp = self.ddp
         while True:
             active, sync = self._round(None)
             if not active:
                 break
-            if ddp.broadcast_buffers:
-                buffers = list(ddp.module.buffers())
+            if self.broadcast_buffers:
+                buffers = list(self.module.buffers())
                 if buffers:
                     broadcast_coalesced(buffers, self.group, src=self.authority)
             if sync:
-                ddp.reducer.shadow_backward()
-        ddp.reducer.divisor = None
-        state = [p.detach() for p in ddp.module.parameters()] + list(ddp.module.buffers())
+                self.reducer.shadow_backward()
+        self.reducer.divisor = None
+        state = [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
         broadcast_coalesced(state, self.group, src=self.authority)

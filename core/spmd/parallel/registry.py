@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
 from spmd import hookspecs
 from spmd.errors import NotProvidedError
 from spmd.registry import Entry, Registry
-
-
-@dataclass(frozen=True)
-class StrategySpec:
-    """A parallelism strategy a plugin provides: ``apply(module, **options)`` returns the parallel module."""
-
-    name: str
-    apply: Callable[..., Any]
-    description: str = ""
-    overrides: bool = False  # True: wins over a same-named spec from another plugin
+from spmd.specs import StrategySpec
 
 
 class StrategyNotFoundError(NotProvidedError):

@@ -22,12 +22,11 @@ from spmd.pipeline.registry import (
     ScheduleNotFoundError,
     get_schedule,
     schedule_names,
-    validated_programs,
 )
 from spmd.pipeline.schedule import Schedule
 from spmd.pipeline.simulate import Event, Simulation, simulate
 from spmd.pipeline.stage import PipelineStage, split_module
-from spmd.pipeline.validate import ScheduleError, validate
+from spmd.pipeline.validate import ScheduleError, validate, validated_programs
 
 __all__ = [
     "Action",

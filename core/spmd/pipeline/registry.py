@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from spmd import hookspecs
 from spmd.errors import NotProvidedError
-from spmd.pipeline.actions import Action
-from spmd.pipeline.validate import validate
 from spmd.registry import Registry
 
 
@@ -45,22 +42,3 @@ def get_schedule(name: str) -> Any:
     >>> schedule = get_schedule("1f1b")(stage, 8, loss_fn=loss_fn)
     """
     return SCHEDULES.get(name).spec
-
-
-@functools.lru_cache(maxsize=256)
-def validated_programs(cls: type, num_stages: int, stages_per_rank: int, n_microbatches: int) -> dict[int, tuple[Action, ...]]:
-    """``cls.programs(...)``, validated once per arguments (a buggy schedule fails here, never as a hang)."""
-    from spmd.pipeline.validate import ScheduleError
-
-    programs = cls.programs(num_stages, stages_per_rank, n_microbatches)  # type: ignore[attr-defined]
-    try:
-        validate(programs, n_microbatches=n_microbatches, num_stages=num_stages)
-    except ScheduleError as error:
-        raise ScheduleError(
-            f"schedule {getattr(cls, 'name', cls.__qualname__)!r} ({cls.__module__}.{cls.__qualname__}) made an invalid program "
-            f"for {num_stages} stages, {stages_per_rank} per rank, {n_microbatches} microbatches: {error}"
-        ) from error
-    world = num_stages // stages_per_rank
-    if sorted(programs) != list(range(world)):
-        raise ScheduleError(f"schedule {cls.__qualname__} returned programs for ranks {sorted(programs)}; expected 0..{world - 1}")
-    return {r: tuple(p) for r, p in programs.items()}

@@ -14,8 +14,8 @@ from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import Work
 from spmd.pipeline import microbatch
 from spmd.pipeline.actions import RECVS, SENDS, Action, Kind
-from spmd.pipeline.registry import validated_programs
 from spmd.pipeline.stage import PipelineStage
+from spmd.pipeline.validate import validated_programs
 
 #: dtypes a metadata message can name (index = code).
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)

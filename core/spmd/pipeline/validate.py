@@ -3,11 +3,13 @@
 The model is the runtime's, made stricter: each rank runs its actions in
 order, a send never blocks, a receive blocks until its peer has sent. A
 program that passes cannot hang in the runtime, which posts sends even
-earlier and waits for receives even later.
+earlier and waits for receives even later. ``validated_programs`` runs a
+schedule class's programs through it, once per arguments.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 from spmd.errors import SpmdError
@@ -185,3 +187,20 @@ def _check_pair_order(programs: Mapping[int, Sequence[Action]], world: int) -> N
 
 
 __all__ = ["COMPUTE", "ScheduleError", "validate"]
+
+
+@functools.lru_cache(maxsize=256)
+def validated_programs(cls: type, num_stages: int, stages_per_rank: int, n_microbatches: int) -> dict[int, tuple[Action, ...]]:
+    """``cls.programs(...)``, validated once per arguments (a buggy schedule fails here, never as a hang)."""
+    programs = cls.programs(num_stages, stages_per_rank, n_microbatches)  # type: ignore[attr-defined]
+    try:
+        validate(programs, n_microbatches=n_microbatches, num_stages=num_stages)
+    except ScheduleError as error:
+        raise ScheduleError(
+            f"schedule {getattr(cls, 'name', cls.__qualname__)!r} ({cls.__module__}.{cls.__qualname__}) made an invalid program "
+            f"for {num_stages} stages, {stages_per_rank} per rank, {n_microbatches} microbatches: {error}"
+        ) from error
+    world = num_stages // stages_per_rank
+    if sorted(programs) != list(range(world)):
+        raise ScheduleError(f"schedule {cls.__qualname__} returned programs for ranks {sorted(programs)}; expected 0..{world - 1}")
+    return {r: tuple(p) for r, p in programs.items()}

@@ -47,6 +47,10 @@ class RendezvousUnreachableError(SpmdError, ConnectionError):
     """The rendezvous service of ``spmd run`` (an etcd cluster, the agents' store) cannot be reached or refused a request."""
 
 
+class RendezvousAuthError(SpmdError, PermissionError):
+    """The rendezvous service refused this agent's credentials (a wrong password, an unknown user, a missing permission)."""
+
+
 class NotYetInSpmdError(SpmdError, ImportError):
     """A torch.distributed name that spmd's mirror module does not provide yet; the message names the closest spmd way.
 

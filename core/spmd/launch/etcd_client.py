@@ -79,10 +79,12 @@ class KeyValue:
     value: bytes
     mod_revision: int
     lease: int
+    version: int = 0  # puts since the key was created (1 after the first)
 
 
 def _kv(item: dict[str, Any]) -> KeyValue:
-    return KeyValue(unb64(item["key"]), unb64(item.get("value", "")), int(item.get("mod_revision", 0)), int(item.get("lease", 0)))
+    return KeyValue(unb64(item["key"]), unb64(item.get("value", "")), int(item.get("mod_revision", 0)), int(item.get("lease", 0)),
+                    int(item.get("version", 0)))
 
 
 class EtcdClient:
@@ -201,6 +203,41 @@ class EtcdClient:
         kvs = reply.get("kvs") or []
         return _kv(kvs[0]) if kvs else None
 
+    def wait_for(self, key: bytes, timeout: float) -> KeyValue | None:
+        """``key`` once it exists, waiting at most ``timeout`` seconds on a watch (no polling); None if it did not appear.
+
+        One range, then, if the key is missing, one watch from the revision after it on a connection of its own:
+        a thousand agents waiting for one key cost etcd a thousand idle streams, not a thousand reads every 20 ms.
+        """
+        reply = self.call("kv/range", {"key": b64(key)})
+        kvs = reply.get("kvs") or []
+        if kvs or timeout <= 0:
+            return _kv(kvs[0]) if kvs else None
+        start = int(reply.get("header", {}).get("revision", 0)) + 1
+        if self.security.user and self._token is None:
+            self.authenticate()
+        host, port = self.endpoints[self._first]
+        if self._ssl is not None:
+            connection: http.client.HTTPConnection = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._ssl)
+        else:
+            connection = http.client.HTTPConnection(host, port, timeout=timeout)
+        headers = {"Content-Type": "application/json", **({"Authorization": self._token} if self._token else {})}
+        body = json.dumps({"create_request": {"key": b64(key), "start_revision": str(start), "filters": ["NODELETE"]}}).encode()
+        try:
+            connection.request("POST", "/v3/watch", body, headers)
+            response = connection.getresponse()
+            if response.status != 200:
+                self._decode("watch", response.status, response.read(), f"{host}:{port}", self.security.user)
+            for line in response:  # one JSON message per line: "created", then events
+                events = json.loads(line or b"{}").get("result", {}).get("events") or []
+                if events:
+                    return _kv(events[0]["kv"])
+        except (TimeoutError, OSError, http.client.HTTPException, ValueError):
+            pass  # the wait ran out (or the stream broke): the key once more, as a plain read
+        finally:
+            connection.close()
+        return self.get(key)
+
     def get_prefix(self, prefix: bytes) -> list[KeyValue]:
         reply = self.call("kv/range", {"key": b64(prefix), "range_end": b64(prefix_end(prefix))})
         return [_kv(item) for item in reply.get("kvs") or []]
@@ -230,6 +267,22 @@ class EtcdClient:
             return True, None
         kvs = (reply.get("responses") or [{}])[0].get("response_range", {}).get("kvs") or []
         return False, (_kv(kvs[0]) if kvs else None)
+
+    def bump_if_prefixed(self, key: bytes, value_prefix: bytes) -> tuple[KeyValue | None, KeyValue | None]:
+        """If ``key``'s value starts with ``value_prefix``, put it again unchanged (its version goes up by one, atomically,
+        whoever else does the same): (the key before this put, None); else (None, the key as it is, or None if absent)."""
+        compares = [{"key": b64(key), "target": "VALUE", "result": "GREATER", "value": b64(value_prefix[:-1])},
+                    {"key": b64(key), "target": "VALUE", "result": "LESS", "value": b64(prefix_end(value_prefix))}]
+        reply = self.call("kv/txn", {
+            "compare": compares,
+            "success": [{"request_put": {"key": b64(key), "ignore_value": True, "ignore_lease": True, "prev_kv": True}}],
+            "failure": [{"request_range": {"key": b64(key)}}],
+        })
+        response = (reply.get("responses") or [{}])[0]
+        if reply.get("succeeded"):
+            return _kv(response.get("response_put", {})["prev_kv"]), None
+        kvs = response.get("response_range", {}).get("kvs") or []
+        return None, (_kv(kvs[0]) if kvs else None)
 
     # -- leases ---------------------------------------------------------------------------------
     def grant(self, ttl: int) -> int:

@@ -13,6 +13,9 @@ finished job deletes the job's keys at once.
 
 from __future__ import annotations
 
+import itertools
+import os
+import random
 import threading
 import time
 from datetime import timedelta
@@ -28,6 +31,17 @@ LEASE_TTL = 30
 AGENT_TTL = 10
 #: Seconds between polls of ``get`` for a key that is not there yet.
 GET_POLL = 0.02
+#: How a counter's value starts (``add``): ``COUNTER<base>``, for a count of ``base + version - 1``.
+COUNTER = b"\0spmd-count:"
+#: Seconds of the first random pause after a lost compare-and-swap, doubling per loss up to ``CAS_BACKOFF_MAX``.
+CAS_BACKOFF, CAS_BACKOFF_MAX = 0.002, 0.5
+
+
+def _value(kv: KeyValue) -> bytes:
+    """The value a Store user sees: a counter's count as a decimal string (as TCPStore keeps it), else the bytes stored."""
+    if kv.value.startswith(COUNTER):
+        return str(int(kv.value[len(COUNTER):]) + kv.version - 1).encode()
+    return kv.value
 
 
 class KeptLease:
@@ -109,25 +123,64 @@ class EtcdStore(tdist.Store):
 
     def get(self, key: str) -> bytes:  # type: ignore[override]
         """The value, waiting (at most the store's timeout) for another agent to set it."""
+        found = self.client.wait_for(self._key(key), self.wait_timeout)
+        if found is None:
+            raise self._missing(key, self.wait_timeout)
+        return _value(found)
+
+    def _missing(self, key: str, seconds: float) -> SpmdError:
+        return SpmdError(f"rendezvous key {key!r} was not set within {seconds:g} s on etcd at "
+                         f"{self.client.describe()}: the agent that should set it may have died; start the job again")
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:  # type: ignore[override]
+        """Until every key exists (a watch each, no polling); an SpmdError naming the first missing one after ``timeout``."""
+        seconds = timeout.total_seconds() if timeout is not None else self.wait_timeout
+        deadline = time.monotonic() + seconds
+        for key in keys:
+            if self.client.wait_for(self._key(key), max(0.0, deadline - time.monotonic())) is None:
+                raise self._missing(key, seconds)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
+        """Every key's value in one range request per look (over the keys' common prefix), waiting as ``get`` does."""
+        full = [self._key(key) for key in keys]
+        common = os.path.commonprefix(full)
         deadline = time.monotonic() + self.wait_timeout
         while True:
-            found = self.client.get(self._key(key))
-            if found is not None:
-                return found.value
+            found = {kv.key: _value(kv) for kv in self.client.get_prefix(common)}
+            missing = [key for key in full if key not in found]
+            if not missing:
+                return [found[key] for key in full]
             if time.monotonic() > deadline:
-                raise SpmdError(f"rendezvous key {key!r} was not set within {self.wait_timeout:.0f} s on etcd at "
+                raise SpmdError(f"rendezvous key {missing[0].decode()!r} was not set within {self.wait_timeout:.0f} s on etcd at "
                                 f"{self.client.describe()}: the agent that should set it may have died; start the job again")
             time.sleep(GET_POLL)
 
     def add(self, key: str, amount: int) -> int:  # type: ignore[override]
+        """Add ``amount`` and return the sum. A counter's value is ``COUNTER<base>`` and its count ``base + version - 1``:
+        adding one is then a put that keeps the value (etcd counts the versions), so n agents arriving at once
+        cost n writes, where a compare-and-swap on the sum costs O(n²) when they collide."""
         full = self._key(key)
-        current = self.client.get(full)
-        while True:
-            value = int(current.value or b"0") + amount if current is not None else amount
-            done, now = self._put_if(full, str(value).encode(), current.mod_revision if current is not None else 0)
+        if amount == 1:
+            before, current = self.client.bump_if_prefixed(full, COUNTER)
+            if before is not None:
+                return int(_value(before)) + 1
+        else:
+            current = self.client.get(full)
+            if amount == 0 and current is not None:
+                return int(_value(current) or b"0")  # a read (the rounds poll counters): no write, no revision
+        for attempt in itertools.count():
+            total = int(_value(current) or b"0") + amount if current is not None else amount
+            version = current.version if current is not None else 0
+            done, now = self._put_if(full, COUNTER + str(total - version).encode(), current.mod_revision if current is not None else 0)
             if done:
-                return value
-            current = now  # another agent changed it first: add to its value
+                return total
+            if amount == 0 and now is not None:
+                return int(_value(now) or b"0")  # another agent created it first: read it
+            # Another agent changed it first: add to its value, after a random pause (agents retrying in lockstep
+            # would each make etcd run a transaction per retry).
+            time.sleep(random.uniform(0, min(CAS_BACKOFF_MAX, CAS_BACKOFF * 2 ** attempt)))
+            current = self.client.get(full)
+        raise AssertionError("unreachable")
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:  # type: ignore[override]
         """As TCPStore's: set ``desired`` if the value is ``expected`` (absent counts as ``b""``); the value now."""
@@ -138,8 +191,8 @@ class EtcdStore(tdist.Store):
         while True:
             if current is None and want:
                 return want  # (TCPStore answers a missing key with the expected value, unchanged)
-            if current is not None and current.value != want:
-                return current.value
+            if current is not None and _value(current) != want:
+                return _value(current)
             done, now = self._put_if(full, new, current.mod_revision if current is not None else 0)
             if done:
                 return new

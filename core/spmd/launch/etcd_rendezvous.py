@@ -46,6 +46,8 @@ def job_prefix(rdzv_id: str, token: str | None) -> bytes:
 class EtcdRendezvous(RendezvousBackend):
     """The job's rounds on etcd under ``job_prefix``; this agent hosts the workers' store in rounds where it is node 0."""
 
+    wakes_waiters = True  # (EtcdStore.wait is a watch)
+
     def __init__(self, config: RunConfig) -> None:
         if config.rdzv_endpoint is None:
             raise ValueError("--rdzv-backend etcd needs --rdzv-endpoint")  # (args.to_config refuses this first)

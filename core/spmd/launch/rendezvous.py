@@ -99,8 +99,11 @@ def connect_store(endpoint: str, timeout: float, host_it: bool | None) -> tuple[
 class Rendezvous:
     """Rounds of membership for one job id over one store."""
 
-    def __init__(self, store: tdist.Store, run_id: str, min_nodes: int, max_nodes: int, timeout: float, last_call: float, poll: float = 0.05) -> None:
+    def __init__(self, store: tdist.Store, run_id: str, min_nodes: int, max_nodes: int, timeout: float, last_call: float, poll: float = 0.05,
+                 wait_on_store: bool = False) -> None:
         self.store = tdist.PrefixStore(f"rdzv/{run_id}/", store)
+        #: Whether the store's ``wait`` returns the moment a key is set, quietly (etcd's watches; TCPStore logs each timeout).
+        self.wait_on_store = wait_on_store
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.timeout, self.last_call, self.poll = timeout, last_call, poll
 
@@ -207,10 +210,15 @@ class Rendezvous:
         return json.loads(self.get(round_, "members"))
 
     def _pause_until(self, key: str, waiting: int) -> None:
-        """Sleep until ``key`` is set (the store wakes us: no polling) or the next look is due. Looks come
+        """Sleep until ``key`` is set (with ``wait_on_store``: the store wakes us) or the next look is due. Looks come
         ``poll`` apart, slower with many agents waiting (``waiting`` ms each, at most 2 s): a thousand agents
         reading the arrivals every 50 ms would ask the store 20,000 times a second."""
+        if self.wait_on_store:  # woken by the close: looks only serve --last-call and a shutdown, so fewer of them
+            waiting = max(waiting, self.max_nodes)
         interval = max(self.poll, min(2.0, waiting * PAUSE_PER_AGENT))
+        if not self.wait_on_store:
+            time.sleep(interval)
+            return
         try:
             self.store.wait([key], timedelta(seconds=interval))
         except Exception:  # noqa: BLE001 - not set yet (each store names its timeout differently): look again

@@ -143,7 +143,7 @@ class EtcdStore(tdist.Store):
     def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
         """Every key's value in one range request per look (over the keys' common prefix), waiting as ``get`` does."""
         full = [self._key(key) for key in keys]
-        common = bytes(os.path.commonprefix(full))
+        common = os.path.commonprefix(full) or b""
         deadline = time.monotonic() + self.wait_timeout
         while True:
             found = {kv.key: _value(kv) for kv in self.client.get_prefix(common)}

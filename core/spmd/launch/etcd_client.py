@@ -16,6 +16,7 @@ import base64
 import http.client
 import json
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,8 @@ class EtcdRequestError(SpmdError):
 
 #: gRPC status etcd gives for a lease it does not know (expired or revoked).
 NOT_FOUND = 5
+#: Seconds before a broken watch is opened again.
+WATCH_RETRY = 0.05
 #: gRPC statuses of etcd's auth errors: a wrong password or no user, no permission, an expired token.
 INVALID_ARGUMENT, PERMISSION_DENIED, UNAUTHENTICATED = 3, 7, 16
 
@@ -206,14 +209,24 @@ class EtcdClient:
     def wait_for(self, key: bytes, timeout: float) -> KeyValue | None:
         """``key`` once it exists, waiting at most ``timeout`` seconds on a watch (no polling); None if it did not appear.
 
-        One range, then, if the key is missing, one watch from the revision after it on a connection of its own:
+        A range, then, if the key is missing, a watch from the revision after it on a connection of its own:
         a thousand agents waiting for one key cost etcd a thousand idle streams, not a thousand reads every 20 ms.
+        A stream that breaks early is opened again (after a range) until the time is up.
         """
-        reply = self.call("kv/range", {"key": b64(key)})
-        kvs = reply.get("kvs") or []
-        if kvs or timeout <= 0:
-            return _kv(kvs[0]) if kvs else None
-        start = int(reply.get("header", {}).get("revision", 0)) + 1
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self.call("kv/range", {"key": b64(key)})
+            kvs = reply.get("kvs") or []
+            left = deadline - time.monotonic()
+            if kvs or left <= 0:
+                return _kv(kvs[0]) if kvs else None
+            found = self._watch_once(key, int(reply.get("header", {}).get("revision", 0)) + 1, left)
+            if found is not None:
+                return found
+            time.sleep(min(WATCH_RETRY, max(0.0, deadline - time.monotonic())))
+
+    def _watch_once(self, key: bytes, start: int, timeout: float) -> KeyValue | None:
+        """The first put of ``key`` from revision ``start`` on, within ``timeout`` s; None when the time ran out or the stream broke."""
         if self.security.user and self._token is None:
             self.authenticate()
         host, port = self.endpoints[self._first]
@@ -227,16 +240,16 @@ class EtcdClient:
             connection.request("POST", "/v3/watch", body, headers)
             response = connection.getresponse()
             if response.status != 200:
-                self._decode("watch", response.status, response.read(), f"{host}:{port}", self.security.user)
+                return None
             for line in response:  # one JSON message per line: "created", then events
                 events = json.loads(line or b"{}").get("result", {}).get("events") or []
                 if events:
                     return _kv(events[0]["kv"])
-        except (TimeoutError, OSError, http.client.HTTPException, ValueError):
-            pass  # the wait ran out (or the stream broke): the key once more, as a plain read
+        except (OSError, http.client.HTTPException, ValueError):
+            pass  # timed out, or the stream broke: the caller looks again
         finally:
             connection.close()
-        return self.get(key)
+        return None
 
     def get_prefix(self, prefix: bytes) -> list[KeyValue]:
         reply = self.call("kv/range", {"key": b64(prefix), "range_end": b64(prefix_end(prefix))})

@@ -32,6 +32,8 @@ from spmd.errors import SpmdError
 
 #: Seconds between two looks at a round's arrivals, per agent waiting in it (see ``Rendezvous._pause_until``).
 PAUSE_PER_AGENT = 0.001
+#: The same where the store wakes the waiters at the close (etcd): the looks then only serve --last-call and shutdowns.
+WATCHED_PAUSE_PER_AGENT = 0.002
 
 
 @dataclass(frozen=True)
@@ -214,8 +216,9 @@ class Rendezvous:
         ``poll`` apart, slower with many agents waiting (``waiting`` ms each, at most 2 s): a thousand agents
         reading the arrivals every 50 ms would ask the store 20,000 times a second."""
         if self.wait_on_store:  # woken by the close: looks only serve --last-call and a shutdown, so fewer of them
-            waiting = max(waiting, self.max_nodes)
-        interval = max(self.poll, min(2.0, waiting * PAUSE_PER_AGENT))
+            interval = max(self.poll, min(2.0, self.max_nodes * WATCHED_PAUSE_PER_AGENT))
+        else:
+            interval = max(self.poll, min(2.0, waiting * PAUSE_PER_AGENT))
         if not self.wait_on_store:
             time.sleep(interval)
             return

@@ -85,6 +85,32 @@ def test_revoking_the_lease_deletes_the_jobs_keys(etcd_server):
     assert client.get_prefix(b"/gone/") == []
 
 
+def test_a_killed_agents_own_keys_expire_with_its_lease_and_the_jobs_stay(etcd_server):
+    """Keys an agent ``set`` hang on its own lease, which it keeps alive: alive past the TTL they stay; SIGKILLed,
+    they are gone within the TTL. The job's counters stay on the job's lease, which the other agent keeps alive."""
+    survivor = _store(etcd_server, prefix="/lease/")
+    code = ("import sys, time\n"
+            "from spmd.launch.etcd_client import EtcdClient, parse_endpoints\n"
+            "from spmd.launch.etcd_store import EtcdStore\n"
+            "s = EtcdStore(EtcdClient(parse_endpoints(sys.argv[1]), timeout=2.0), b'/lease/', 10.0, agent_ttl=2)\n"
+            "s.set('node1', b'me'); s.add('arrivals', 1); print('ready', flush=True); time.sleep(120)\n")
+    agent = subprocess.Popen([sys.executable, "-c", code, etcd_server.endpoint], env=clean_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout is not None and agent.stdout.readline() == "ready\n"
+        client = EtcdClient(parse_endpoints(etcd_server.endpoint))
+        time.sleep(3)  # past the TTL: the agent's keep-alives hold its key
+        assert client.get(b"/lease/keys/node1") is not None
+    finally:
+        agent.kill()
+        agent.wait(10)
+    killed = time.monotonic()
+    wait_for(lambda: client.get(b"/lease/keys/node1") is None, 10, "the killed agent's key to expire")
+    print(f"the killed agent's key expired {time.monotonic() - killed:.1f} s after the kill (TTL 2 s)")
+    assert time.monotonic() - killed < 4
+    assert survivor.add("arrivals", 0) == 1  # the job's counter outlives the agent
+    survivor.close(revoke=True)
+
+
 def test_two_agents_form_a_round_on_etcd(etcd_server):
     """The numbered-round rendezvous runs unchanged on etcd: two joiners agree on ranks and master."""
     results: dict[str, object] = {}

@@ -55,6 +55,10 @@ class SettingError(SpmdError, ValueError):
     """An ``SPMD_*`` environment variable holds a value its setting does not accept (``spmd.settings``)."""
 
 
+class RendezvousAuthError(SpmdError, PermissionError):
+    """The rendezvous service refused this agent's credentials (a wrong password, an unknown user, a missing permission)."""
+
+
 class NotYetInSpmdError(SpmdError, ImportError):
     """A torch.distributed name that spmd's mirror module does not provide yet; the message names the closest spmd way.
 

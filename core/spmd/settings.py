@@ -89,6 +89,8 @@ SETTINGS: tuple[Setting, ...] = (
             "the interface every backend binds to (unset: the one that reaches the job's store)"),
     Setting("SPMD_RDZV_TOKEN", "rdzv_token", str, "any text, the same on every node",
             "the job token (spmd run --rdzv-token): the job's store keys live under its hash"),
+    Setting("SPMD_ETCD_PASSWORD", "etcd_password", str, "the password of the --rdzv-conf user=",
+            "spmd run --rdzv-backend etcd: the etcd user's password (or --rdzv-conf password_file=; never on the command line)"),
     Setting("SPMD_PLUGINS", "plugins", _names, "plugin names separated by commas",
             "plugins to load even when SPMD_DISABLE_PLUGIN_AUTOLOAD is on"),
     Setting("SPMD_BLOCK_PLUGINS", "block_plugins", _names, "plugin names separated by commas",
@@ -127,6 +129,7 @@ class Settings:
     checkpoint_claim_ttl: float = 120.0
     socket_ifname: str | None = None
     rdzv_token: str | None = None
+    etcd_password: str | None = None
     plugins: frozenset[str] = frozenset()
     block_plugins: frozenset[str] = frozenset()
     disable_plugin_autoload: bool = False

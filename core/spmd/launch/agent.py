@@ -94,7 +94,8 @@ class Agent:
         """Connect to the job's rendezvous (the --rdzv-backend plugin); (rounds, hosting the agents' store, this node's address)."""
         c = self.config
         backend = open_backend(c)
-        rdzv = Rendezvous(job_scope(backend.store, c.rdzv_token), c.rdzv_id, c.min_nodes, c.max_nodes, c.rdzv_timeout, c.last_call)
+        rdzv = Rendezvous(job_scope(backend.store, c.rdzv_token), c.rdzv_id, c.min_nodes, c.max_nodes, c.rdzv_timeout, c.last_call,
+                          wait_on_store=backend.wakes_waiters)
         self._backend = backend
         self._store = backend.store  # keep a hosted server alive
         self._endpoint = backend.endpoint

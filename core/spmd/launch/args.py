@@ -46,6 +46,8 @@ class RunConfig:
     rdzv_token: str | None = None  # the job token: the store's keys live under a namespace derived from it
     temp_log_bytes: int = TEMP_LOG_MIB << 20  # of each temp --tee log file (no --log-dir), the bytes kept
     rdzv_backend: str = "c10d"  # a spmd_rendezvous_backends name: c10d (an agent hosts the store) or etcd
+    #: Every ``--rdzv-conf key=value`` (the backend reads its own: etcd's protocol, cacert, cert, key, user, password_file).
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
 
 
 def _nodes(text: str) -> tuple[int, int]:
@@ -90,7 +92,8 @@ def _nproc(text: str) -> int:
 
 #: torchrun flags that ``spmd run`` accepts and what each does here: flag -> (alias, metavar or None for a switch, note).
 ACCEPTED: dict[str, tuple[str, str | None, str]] = {
-    "--rdzv-conf": ("--rdzv_conf", "CONF", "join_timeout and last_call_timeout set --rdzv-timeout and --last-call; other keys are ignored"),
+    "--rdzv-conf": ("--rdzv_conf", "CONF", "join_timeout and last_call_timeout set --rdzv-timeout and --last-call; protocol, cacert, cert, key, user "
+                   "and password_file secure --rdzv-backend etcd (docs/rendezvous.md); other keys are ignored"),
     "--start-method": ("--start_method", "METHOD", "workers are always fresh processes (like spawn)"),
     "--event-log-handler": ("--event_log_handler", "HANDLER", "no event log; the agent reports to stderr"),
     "--role": ("--role", "ROLE", "no roles: every worker runs the same script"),
@@ -128,13 +131,19 @@ def _signals(text: str) -> tuple[int, ...]:
     return tuple(found)
 
 
-def _rdzv_conf(text: str | None) -> dict[str, float]:
-    """torchrun's ``key=value,...``: the timeouts spmd run has equivalents for."""
-    values: dict[str, float] = {}
+def _rdzv_conf(text: str | None) -> dict[str, str]:
+    """torchrun's ``key=value,...`` as a dict (the timeouts are read here, the rest by the rendezvous backend)."""
+    values: dict[str, str] = {}
     for item in (text or "").split(","):
         key, sep, value = item.partition("=")
-        if sep and key.strip() in ("join_timeout", "last_call_timeout"):
-            values[key.strip()] = float(value)
+        if sep:
+            values[key.strip()] = value.strip()
+    for key in ("join_timeout", "last_call_timeout"):
+        if key in values:
+            try:
+                float(values[key])
+            except ValueError:
+                raise SystemExit(f"spmd run: --rdzv-conf {key}={values[key]}: write a number of seconds") from None
     return values
 
 
@@ -241,14 +250,15 @@ def to_config(ns: argparse.Namespace) -> RunConfig:
         no_python=ns.no_python,
         script=ns.script,
         script_args=tuple(ns.script_args),
-        rdzv_timeout=conf.get("join_timeout", ns.rdzv_timeout),
-        last_call=conf.get("last_call_timeout", ns.last_call),
+        rdzv_timeout=float(conf.get("join_timeout", ns.rdzv_timeout)),
+        last_call=float(conf.get("last_call_timeout", ns.last_call)),
         stop_grace=ns.stop_grace if ns.shutdown_timeout is None else ns.shutdown_timeout,
         master_addr=ns.master_addr,
         signals=_signals(ns.signals_to_handle),
         rdzv_token=ns.rdzv_token or settings.current().rdzv_token,
         temp_log_bytes=temp_log_bytes(),
         rdzv_backend=backend,
+        rdzv_conf=tuple(conf.items()),
     )
 
 

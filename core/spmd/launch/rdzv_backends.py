@@ -35,6 +35,8 @@ class RendezvousBackend(ABC):
     local_address: str
     #: Whether this agent hosts the agents' store (its exit ends the rendezvous: it leaves last).
     hosting: bool = False
+    #: Whether the store's ``wait`` wakes the moment a key is set, quietly (then the rounds wait on it rather than poll).
+    wakes_waiters: bool = False
 
     @abstractmethod
     def round_store(self, rdzv: Rendezvous, membership: Membership) -> tuple[str, bool]:

@@ -11,7 +11,7 @@ namespace that every agent polls.
 
 Keys (under ``rdzv/<id>/``): ``round``; per round ``r<N>/arrivals``,
 ``r<N>/node<i>`` (json: host, nproc, requested node rank), ``r<N>/closed``
-(number of members), ``r<N>/master``, ``r<N>/failed``, ``r<N>/join``,
+(number of members), ``r<N>/members`` (every member's record, in arrival order), ``r<N>/master``, ``r<N>/failed``, ``r<N>/join``,
 ``r<N>/done`` (a counter), ``r<N>/left`` (agents that saw every node done:
 the one hosting the store leaves after them), and ``shutdown``.
 """
@@ -30,6 +30,11 @@ from spmd.comm.address import route_source
 from spmd.comm.tcp_store import host_tcp_store
 from spmd.errors import SpmdError
 from spmd.polling import poll
+
+#: Seconds between two looks at a round's arrivals, per agent waiting in it (see ``Rendezvous._pause_until``).
+PAUSE_PER_AGENT = 0.001
+#: The same where the store wakes the waiters at the close (etcd): the looks then only serve --last-call and shutdowns.
+WATCHED_PAUSE_PER_AGENT = 0.002
 
 
 @dataclass(frozen=True)
@@ -97,8 +102,11 @@ def connect_store(endpoint: str, timeout: float, host_it: bool | None) -> tuple[
 class Rendezvous:
     """Rounds of membership for one job id over one store."""
 
-    def __init__(self, store: tdist.Store, run_id: str, min_nodes: int, max_nodes: int, timeout: float, last_call: float, poll: float = 0.05) -> None:
+    def __init__(self, store: tdist.Store, run_id: str, min_nodes: int, max_nodes: int, timeout: float, last_call: float, poll: float = 0.05,
+                 wait_on_store: bool = False) -> None:
         self.store = tdist.PrefixStore(f"rdzv/{run_id}/", store)
+        #: Whether the store's ``wait`` returns the moment a key is set, quietly (etcd's watches; TCPStore logs each timeout).
+        self.wait_on_store = wait_on_store
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
         self.timeout, self.last_call, self.poll = timeout, last_call, poll
 
@@ -193,12 +201,38 @@ class Rendezvous:
                     f"rendezvous round {round_} timed out after {self.timeout:.0f} s with {count} of at least "
                     f"{self.min_nodes} nodes; start the missing agents with the same --rdzv-endpoint and --rdzv-id"
                 )
-            time.sleep(self.poll)
+            self._pause_until(self.key(round_, "closed"), count)
         members = int(self.get(round_, "closed"))
         return members if index < members else None
 
+    def _member_infos(self, round_: int, index: int, members: int) -> list[dict]:
+        """Every member's ``node<i>`` record: the first arrival reads them all in one call and publishes the list as
+        ``members``, which the others read (each reading every record made the round O(n²) reads: 1,000 agents, 10⁶)."""
+        if index == 0:
+            values = self.store.multi_get([self.key(round_, f"node{i}") for i in range(members)])
+            infos = [json.loads(bytes(value)) for value in values]
+            self.set(round_, "members", json.dumps(infos))
+            return infos
+        return json.loads(self.get(round_, "members"))
+
+    def _pause_until(self, key: str, waiting: int) -> None:
+        """Sleep until ``key`` is set (with ``wait_on_store``: the store wakes us) or the next look is due. Looks come
+        ``poll`` apart, slower with many agents waiting (``waiting`` ms each, at most 2 s): a thousand agents
+        reading the arrivals every 50 ms would ask the store 20,000 times a second."""
+        if self.wait_on_store:  # woken by the close: looks only serve --last-call and a shutdown, so fewer of them
+            interval = max(self.poll, min(2.0, self.max_nodes * WATCHED_PAUSE_PER_AGENT))
+        else:
+            interval = max(self.poll, min(2.0, waiting * PAUSE_PER_AGENT))
+        if not self.wait_on_store:
+            time.sleep(interval)
+            return
+        try:
+            self.store.wait([key], timedelta(seconds=interval))
+        except Exception:  # noqa: BLE001 - not set yet (each store names its timeout differently): look again
+            pass
+
     def _membership(self, round_: int, index: int, members: int) -> Membership:
-        infos = [json.loads(self.get(round_, f"node{i}")) for i in range(members)]
+        infos = self._member_infos(round_, index, members)
         requested = [info["node_rank"] for info in infos]
         if all(r is not None for r in requested) and sorted(requested) == list(range(members)):
             order = sorted(range(members), key=lambda i: requested[i])  # static node ranks

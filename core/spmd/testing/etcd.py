@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
 import subprocess
 import tempfile
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from spmd import settings
 from spmd.polling import poll
+from spmd.testing.etcd_tls import EtcdCertificates
 from spmd.testing.ports import free_port
 
 
@@ -38,12 +41,16 @@ class EtcdServer:
     """One etcd member serving clients on ``host`` (127.0.0.1, or an address of the multi-host test bed's
     ``attach_here``); ``endpoint`` is its client ``host:port``. Use as a context manager."""
 
-    def __init__(self, binary: str, start_timeout: float = 20.0, host: str = "127.0.0.1") -> None:
+    def __init__(self, binary: str, start_timeout: float = 20.0, host: str = "127.0.0.1",
+                 tls: EtcdCertificates | None = None, extra_args: Sequence[str] = ()) -> None:
         self.binary, self.start_timeout = binary, start_timeout
         self.port = free_port()
         self.endpoint = f"{host}:{self.port}"
         self.data_dir = Path(tempfile.mkdtemp(prefix="spmd-etcd-"))
         self.proc: subprocess.Popen | None = None
+        #: With ``tls``: clients must speak https and show a certificate the test CA signed.
+        self.tls = tls
+        self.extra_args = tuple(extra_args)
 
     def __enter__(self) -> EtcdServer:
         self.start()
@@ -55,7 +62,9 @@ class EtcdServer:
     def start(self) -> None:
         """Start the member and wait (at most ``start_timeout``) until it answers."""
         peer = f"http://127.0.0.1:{free_port()}"
-        client = f"http://{self.endpoint}"
+        client = f"{'https' if self.tls else 'http'}://{self.endpoint}"
+        tls = [] if self.tls is None else ["--cert-file", str(self.tls.server_cert), "--key-file", str(self.tls.server_key),
+                                          "--trusted-ca-file", str(self.tls.ca), "--client-cert-auth"]
         self.proc = subprocess.Popen(
             [self.binary, "--name", "spmd-test", "--data-dir", str(self.data_dir),
              "--listen-client-urls", client, "--advertise-client-urls", client,
@@ -64,7 +73,7 @@ class EtcdServer:
              # A test member whose data is thrown away: no fsync per write. On a busy CI disk each fsync can take
              # seconds, and every rendezvous write waits for one (the etcd tests and the multi-host restart test
              # failed that way beside the rest of the suite).
-             "--unsafe-no-fsync"],
+             "--unsafe-no-fsync", *tls, *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
         )
         if not poll(self._healthy_or_exited, self.start_timeout, 0.05):
@@ -82,8 +91,12 @@ class EtcdServer:
         return False
 
     def _healthy(self) -> bool:
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=str(self.tls.ca))
+            context.load_cert_chain(str(self.tls.client_cert), str(self.tls.client_key))
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1.0) as reply:
+            with urllib.request.urlopen(f"{'https' if self.tls else 'http'}://{self.endpoint}/health", timeout=1.0, context=context) as reply:
                 return b'"true"' in reply.read()
         except OSError:
             return False

@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from spmd.errors import CollectiveError, CollectiveTimeoutError, SpmdError
 
 if TYPE_CHECKING:
-    from spmd.comm.group import ProcessGroup
     from spmd.debug.recorder import Entry
 
 
-def explain_failure(group: ProcessGroup, entry: Entry, error: BaseException) -> BaseException:
+class FailedGroup(Protocol):
+    """What the explanation reads of the op's group (a ProcessGroup; a Protocol keeps this module below it)."""
+
+    unusable: str | None
+
+    def describe(self, op: str, seq: int = -1) -> str: ...
+
+
+def explain_failure(group: FailedGroup, entry: Entry, error: BaseException) -> BaseException:
     """``error`` rewritten to name the op, group and sequence number, with the watchdog's diagnosis.
 
-    Called only on the error path (by ``Work.wait``), so the hot path builds no closures for it.
+    Called only on the error path (by ``Work.wait``, through ``ProcessGroup.explain_failure``), so the hot path builds no closures for it.
     """
     from spmd.comm.health.watchdog import adopt_announcements, diagnose
 

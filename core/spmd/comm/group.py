@@ -11,10 +11,11 @@ import torch
 import torch.distributed as tdist
 
 from spmd.comm.backend import Backend, BackendContext
+from spmd.comm.failures import explain_failure
 from spmd.comm.registry import backends
 from spmd.comm.store_wait import missing_keys
 from spmd.comm.work import Timeout, Work, seconds
-from spmd.debug.recorder import recorder
+from spmd.debug.recorder import Entry, recorder
 from spmd.errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -317,6 +318,10 @@ class ProcessGroup:
         if seq < 0:
             return f"{op} on group {self.name!r} (ranks {list(self.ranks)})"
         return f"{op} on group {self.name!r} (seq {seq}, ranks {list(self.ranks)})"
+
+    def explain_failure(self, entry: Entry, error: BaseException) -> BaseException:
+        """``error`` of the op recorded as ``entry``, rewritten to name it, with the watchdog's diagnosis."""
+        return explain_failure(self, entry, error)
 
     def next_seq(self) -> int:
         seq = self.seq

@@ -257,9 +257,7 @@ class Work:
             if self._on_error is not None:
                 self._explained = self._on_error(error)
             elif self._group is not None and self._entry is not None:
-                from spmd.comm.failures import explain_failure  # the error path only
-
-                self._explained = explain_failure(self._group, self._entry, error)
+                self._explained = self._group.explain_failure(self._entry, error)  # the error path only
             else:
                 return error
         return self._explained

@@ -10,19 +10,45 @@ new was posted for ``P2P_FLUSH_DELAY``.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from spmd_nccl import library as nccl
 from spmd_nccl.cuda import allow_queries_during_other_threads_captures, on_device
 from spmd_nccl.errors import NcclError
+from spmd_nccl.work import NcclWork
 
-if TYPE_CHECKING:
-    from spmd_nccl.communicator import Communicator
-    from spmd_nccl.work import NcclWork
+
+class Watched(Protocol):
+    """The communicator's state the watcher polls and aborts (a Communicator; a Protocol keeps this module below it)."""
+
+    lib: nccl.NcclLibrary
+    handle: ctypes.c_void_p | None
+    device: torch.device
+    timeout_s: float
+    group: str
+    lock: threading.RLock
+    error: BaseException | None
+    _works_lock: threading.Lock
+    _outstanding: list[NcclWork]
+    _pending: list[Any]
+    _wake: threading.Event
+    _stopped: bool
+
+    def where(self) -> str: ...
+
+    def abort(self, error: BaseException) -> None: ...
+
+    def _abort_locked(self, error: BaseException) -> None: ...
+
+    def _flush_locked(self) -> None: ...
+
+    def _async_state(self) -> int: ...
 
 log = logging.getLogger("spmd.nccl")
 
@@ -35,7 +61,7 @@ POLL_INTERVAL = 0.002
 IDLE_INTERVAL = 0.5
 
 
-def watch(comm: Communicator) -> None:
+def watch(comm: Watched) -> None:
     """The thread's body: poll until the communicator is stopped, closed or aborted."""
     try:
         torch.cuda.set_device(comm.device)
@@ -60,7 +86,7 @@ def watch(comm: Communicator) -> None:
             log.debug("spmd-nccl watcher: %s", error)
 
 
-def poll_once(comm: Communicator) -> None:
+def poll_once(comm: Watched) -> None:
     """Flush a stale point-to-point queue, complete the finished Works, abort at the first late one."""
     now = time.monotonic()
     pending = comm._pending
@@ -95,7 +121,7 @@ def poll_once(comm: Communicator) -> None:
         ))
 
 
-def check_async_error(comm: Communicator) -> None:
+def check_async_error(comm: Watched) -> None:
     """Abort the communicator when ncclCommGetAsyncError reports a failure (unless NCCL is busy)."""
     if not comm.lock.acquire(blocking=False):
         return  # the program's thread is inside NCCL; it sees errors itself

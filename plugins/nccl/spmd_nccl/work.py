@@ -16,14 +16,24 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from spmd_nccl.cuda import allow_queries_during_other_threads_captures, in_background_thread
 
-if TYPE_CHECKING:
-    from spmd_nccl.communicator import Communicator
+
+class Issuer(Protocol):
+    """What a work reads of the communicator that issued it (a Communicator; a Protocol keeps this module below it)."""
+
+    error: BaseException | None
+    device: torch.device
+    timeout_s: float
+    group: str
+
+    def flush_p2p(self) -> None: ...
+
+    def abort(self, error: BaseException) -> None: ...
 
 
 class NcclWork:
@@ -34,7 +44,7 @@ class NcclWork:
     queued point-to-point op has no event until it is flushed; waiting flushes it.
     """
 
-    def __init__(self, comm: Communicator, keep_alive: object, cpu_wait: bool = False) -> None:
+    def __init__(self, comm: Issuer, keep_alive: object, cpu_wait: bool = False) -> None:
         self.comm = comm
         self.keep_alive = keep_alive
         self.cpu_wait = cpu_wait  # barrier: wait() blocks the CPU (with the group timeout)

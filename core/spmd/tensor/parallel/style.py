@@ -2,7 +2,7 @@
 
 A style is any object with ``apply(module, device_mesh) -> nn.Module`` (subclass
 ``ParallelStyle``); ``parallelize_module`` accepts builtin and third-party
-styles alike, or a style's registered name (see ``spmd.parallel.tp.api``).
+styles alike, or a style's registered name (see ``spmd.tensor.parallel.api``).
 Names and defaults follow ``torch.distributed.tensor.parallel``.
 """
 

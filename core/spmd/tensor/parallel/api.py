@@ -23,7 +23,7 @@ from torch import nn
 
 from spmd.comm.agreement import verify_agreement
 from spmd.mesh import DeviceMesh
-from spmd.parallel.tp.style import ParallelStyle
+from spmd.tensor.parallel.style import ParallelStyle
 from spmd.tensor.placements import Placement
 
 STYLE_PREFIX = "tp."
@@ -36,7 +36,7 @@ Plan: TypeAlias = StyleLike | Mapping[str, StyleLike]
 def resolve_style(style: StyleLike) -> ParallelStyle:
     """A style object, or the registered style called ``style`` (an instance with default options)."""
     if isinstance(style, str):
-        from spmd.parallel.registry import get_strategy
+        from spmd.strategies import get_strategy
 
         resolved: ParallelStyle = get_strategy(STYLE_PREFIX + style).apply()
         return resolved

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -184,7 +185,9 @@ def _two_ranks(args: list[str], backend: str, timeout: float = 120) -> list[tupl
 
 
 def _lines(text: str, line: str) -> int:
-    return sum(1 for x in text.splitlines() if x.strip() == line)
+    """How many times the writer script printed ``line`` (mpiexec merges both ranks' stdout and may join two lines)."""
+    once = re.escape(line)
+    return sum(len(re.findall(once, x.strip())) for x in text.splitlines() if re.fullmatch(f"(?:{once})+", x.strip()))
 
 
 def _skip_unless_usable(backend: str) -> None:

@@ -5,10 +5,10 @@ import subprocess
 import sys
 import textwrap
 
+import group_helpers
 import pytest
 import torch
 
-import helpers
 import spmd
 from spmd.testing.ports import free_port
 
@@ -83,7 +83,7 @@ def test_init_twice_is_an_error():
 
 
 def test_new_group_and_split_group_ranks(spmd_world):
-    results = spmd_world(4, "gloo").run(helpers.subgroup_ranks)
+    results = spmd_world(4, "gloo").run(group_helpers.subgroup_ranks)
     assert [r[0] for r in results] == [-1, 0, 1, -1]
     assert [r[1] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r[2] for r in results] == [0, 0, 2, 2]
@@ -92,7 +92,7 @@ def test_new_group_and_split_group_ranks(spmd_world):
 def test_groups_get_one_name_on_all_their_ranks(spmd_world):
     """A group_desc reused by overlapping groups, or split_group's colours, once named a group differently
     on different ranks (or two groups alike): their ranks never met and waited out the timeout."""
-    results = spmd_world(4, "gloo").run(helpers.groups_named_alike)
+    results = spmd_world(4, "gloo").run(group_helpers.groups_named_alike)
     assert results[0]["first"] == results[1]["first"] and results[0]["first"][1] == 1 + 2
     assert results[1]["second"] == results[2]["second"] and results[1]["second"][1] == 2 + 3
     assert results[0]["first"][0] != results[1]["second"][0]
@@ -103,18 +103,18 @@ def test_groups_get_one_name_on_all_their_ranks(spmd_world):
 
 def test_local_groups_of_other_ranks_never_share_a_name(spmd_world):
     """Two groups made apart with one group_desc had one name, so one store prefix: their ranks' keys mixed."""
-    results = spmd_world(4, "gloo").run(helpers.local_groups_with_one_desc)
+    results = spmd_world(4, "gloo").run(group_helpers.local_groups_with_one_desc)
     assert [value for _, value in results] == [3.0, 3.0, 7.0, 7.0]
     assert results[0][0] == results[1][0] != results[2][0] == results[3][0]
 
 
 def test_many_async_ops_in_flight(spmd_world):
-    for values in spmd_world(2, "gloo").run(helpers.async_overlap):
+    for values in spmd_world(2, "gloo").run(group_helpers.async_overlap):
         assert values == [1.0 + 2 * k for k in range(5)]
 
 
 def test_split_group_torch_form(spmd_world):
-    results = spmd_world(4, "gloo").run(helpers.split_group_torch_form)
+    results = spmd_world(4, "gloo").run(group_helpers.split_group_torch_form)
     assert results[1] == (None, None)
     assert results[0] == results[2] == ([0, 2], 1.0 + 3.0)
     assert results[3] == ([3], 4.0)
@@ -138,7 +138,7 @@ def test_split_group_argument_errors():
 
 
 def test_new_group_order_and_local_synchronization(spmd_world):
-    results = spmd_world(3, "gloo").run(helpers.unsorted_and_local_groups)
+    results = spmd_world(3, "gloo").run(group_helpers.unsorted_and_local_groups)
     assert [r[0] for r in results] == [1, 2, 0]  # group ranks follow [2, 0, 1]
     assert [r[1] for r in results] == [2.0, 2.0, 2.0]  # broadcast from group rank 0 = world rank 2
     assert results[0][2] == results[2][2] == [4.0, 4.0] and results[1][2] == []
@@ -147,7 +147,7 @@ def test_new_group_order_and_local_synchronization(spmd_world):
 def test_barrier_timeout_argument(spmd_world):
     world = spmd_world(2, "gloo")
     try:
-        rank0, rank1 = world.run(helpers.barrier_with_timeout, 0.5)
+        rank0, rank1 = world.run(group_helpers.barrier_with_timeout, 0.5)
     finally:
         world.kill()  # a timed-out wait leaves Gloo state behind: later tests get a fresh world
     elapsed, message = rank0.split("|", 1)
@@ -189,7 +189,7 @@ def test_object_collectives_travel_on_the_groups_device(monkeypatch):
 
 
 def test_subgroups_object_p2p_and_monitored_barrier(spmd_world):
-    results = spmd_world(4, "gloo").run(helpers.subgroups_objects_monitored)
+    results = spmd_world(4, "gloo").run(group_helpers.subgroups_objects_monitored)
     assert [r["sub_ranks"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["sub_sum"] for r in results] == [3.0, 3.0, 7.0, 7.0]
     assert [r["listed"] for r in results] == [[0, 3], [1], None, [0, 3]]
@@ -200,7 +200,7 @@ def test_subgroups_object_p2p_and_monitored_barrier(spmd_world):
 def test_monitored_barrier_names_the_rank_that_never_arrived(spmd_world):
     world = spmd_world(2, "gloo")
     try:
-        rank0, rank1 = world.run(helpers.monitored_barrier_names_the_missing_rank, 0.5)
+        rank0, rank1 = world.run(group_helpers.monitored_barrier_names_the_missing_rank, 0.5)
     finally:
         world.kill()  # the failed barrier closed a Gloo connection: later tests get a fresh world
     assert "monitored_barrier on group 'world': rank 1 did not reach it within 0.5 s" in rank0

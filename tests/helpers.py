@@ -168,6 +168,35 @@ def sync_op_timeout(group_timeout: float, op_timeout: float) -> str:
         store.set("sync_op_timeout/rank0_done", "1")
 
 
+def never_meet(timeout: float) -> tuple[str, str]:
+    """Rank 0 alone uses a fresh group: its backend cannot even be created.
+
+    Returns rank 0's error and what reached its stderr (file descriptor 2,
+    where C++ writes) during the call and half a second after.
+    """
+    import os
+    import tempfile
+
+    group = spmd.new_group([0, 1], timeout=timeout)
+    if spmd.get_rank() != 0:
+        return "skipped", ""
+    with tempfile.TemporaryFile() as captured:
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            try:
+                spmd.all_reduce(torch.ones(4), group=group)
+                message = "no error"
+            except spmd.CollectiveTimeoutError as error:
+                message = str(error)
+            time.sleep(0.5)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        return message, captured.read().decode(errors="replace")
+
+
 def after_a_timeout(timeout: float) -> list[str]:
     """Rank 1 arrives late to an all_reduce that rank 0 gave up on; both ranks then carry on.
 

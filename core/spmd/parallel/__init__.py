@@ -8,6 +8,7 @@
     fully_shard(block); fully_shard(model)    # or spmd.parallel.get_strategy("fsdp").apply(model)
 """
 
+from spmd.parallel import tp as _tp
 from spmd.parallel.buckets import GradBucket
 from spmd.parallel.comm_hooks import (
     CommHook,
@@ -32,27 +33,11 @@ from spmd.parallel.fsdp import (
 )
 from spmd.parallel.grad_norm import clip_grad_norm_
 from spmd.parallel.registry import StrategyNotFoundError, StrategySpec, get_strategy, strategy_names
-from spmd.parallel.tp import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from spmd.parallel.tp import *  # noqa: F403 - tensor parallelism's names, listed once (spmd.tensor.parallel.__all__)
 
 __all__ = [
+    *_tp.__all__,
     "clip_grad_norm_",
-    "ColwiseParallel",
-    "ParallelStyle",
-    "PrepareModuleInput",
-    "PrepareModuleOutput",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "loss_parallel",
-    "parallelize_module",
     "CommHook",
     "CPUOffloadPolicy",
     "DistributedDataParallel",

@@ -16,6 +16,7 @@ from spmd.comm.registry import backends
 from spmd.comm.store_wait import missing_keys
 from spmd.comm.work import Timeout, Work, seconds
 from spmd.debug.recorder import Entry, recorder
+from spmd.debug.signatures import disagreed_seq
 from spmd.errors import (
     BackendUnavailableError,
     CollectiveError,
@@ -35,6 +36,7 @@ def _unique_id(name: str) -> str:
     """``name`` the first time this process creates a group of that name, then ``name@2``, ``name@3``..."""
     count = _names_created[name] = _names_created.get(name, 0) + 1
     return name if count == 1 else f"{name}@{count}"
+
 
 
 class ProcessGroup:
@@ -177,6 +179,11 @@ class ProcessGroup:
                     waited.abort()
                 except Exception:  # noqa: BLE001 - the waiter still times out at its deadline
                     pass
+
+    @property
+    def disagreed_at(self) -> int | None:
+        """The sequence number of the call the ranks disagreed on, when that is why the group was given up."""
+        return None if self.unusable is None else disagreed_seq(self.unusable)
 
     def refusal(self) -> CollectiveError:
         """The error every op on an unusable group raises."""

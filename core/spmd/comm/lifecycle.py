@@ -21,6 +21,7 @@ from spmd.comm.health.watchdog import adopt_announcements
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import NativeWork, NativeWorkAdapter, Timeout, Work, seconds
 from spmd.debug.recorder import Entry, recorder, shapes_and_dtypes
+from spmd.debug.signatures import disagreement
 from spmd.errors import CollectiveDesyncError, CollectiveError, CollectiveTimeoutError
 
 #: Whether a call shape new to its group is compared across its ranks (before the op on Gloo, before its
@@ -152,8 +153,7 @@ def _break_on_disagreement(group: ProcessGroup, entry: Entry, error: CollectiveD
     calls = "; ".join(line.strip() for line in str(error).splitlines()[1:1 + group.size])
     _, found, splits = str(error).partition("; all_to_all_single splits disagree: ")
     calls += f"; splits disagree: {splits}" if found else ""
-    group.mark_unusable(f"ranks disagree on collective #{entry.seq} of group {group.name!r} ({calls}); "
-                        "destroy it and create a new group, or restart the job")
+    group.mark_unusable(disagreement(entry.seq, group.name, f" ({calls}); destroy it and create a new group, or restart the job"))
 
 
 def _complete_unagreed(work: Work | NativeWork, group: ProcessGroup, op: str, call: Unagreed, async_op: bool,

@@ -7,6 +7,7 @@ diagnosis of a stuck op) and the offline analysis of dumps (``spmd.debug.analyze
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from spmd.debug.recorder import Entry
@@ -67,3 +68,18 @@ def split_mismatch(calls: list[str], ranks: tuple[int, ...]) -> str | None:
             if j < len(receives) and i < len(receives[j]) and receives[j][i] != rows:
                 return f"rank {ranks[i]} sends {rows} rows to rank {ranks[j]}, which expects {receives[j][i]} from it"
     return None
+
+
+def disagreement(seq: int, group_name: str, detail: str) -> str:
+    """The reason a group is given up for when its ranks' calls at ``seq`` disagree (``disagreed_seq`` reads the
+    number back, also out of the reason another rank announced)."""
+    return f"ranks disagree on collective #{seq} of group {group_name!r}{detail}"
+
+
+_DISAGREEMENT = re.compile(r"ranks disagree on collective #(\d+) of group ")
+
+
+def disagreed_seq(reason: str) -> int | None:
+    """The sequence number of the call a ``disagreement`` reason names, else None."""
+    found = _DISAGREEMENT.search(reason)
+    return None if found is None else int(found.group(1))

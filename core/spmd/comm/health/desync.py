@@ -72,8 +72,11 @@ def compare(
     mine = call_signature(entry, root)  # (with the entry's splits, for all_to_all_single)
     keys = [prefix + str(r) for r in range(group.size)]
     def out_of_step() -> None:  # while this rank waits, the always-on check or a peer's failed call may give the group up
-        if group.unusable is not None:
-            raise CollectiveError(f"{group.describe(entry.op, entry.seq)}: stopped waiting for the other ranks' calls: "
+        if group.unusable is None:
+            return
+        if group.disagreed_at == entry.seq:  # (the always-on check, or a peer, found this very call's disagreement first)
+            raise CollectiveDesyncError(f"{group.describe(entry.op, entry.seq)}: the ranks' calls disagree: {group.unusable}")
+        raise CollectiveError(f"{group.describe(entry.op, entry.seq)}: stopped waiting for the other ranks' calls: "
                                   f"the group cannot be used: {group.unusable}")
 
     missing = [group.ranks[r] for r in missing_keys(store, keys, limit, out_of_step)]

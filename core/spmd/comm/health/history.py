@@ -27,7 +27,7 @@ import threading
 from typing import Any
 
 from spmd.debug.recorder import recorder
-from spmd.debug.signatures import call_signature, pair_split_mismatch
+from spmd.debug.signatures import call_signature, disagreement, pair_split_mismatch
 
 HISTORY_KEY = "spmd/debug/history/{group}/{rank}"
 #: The store's logical clock: numbers published call histories and announcements that a rank gave a group up
@@ -113,11 +113,11 @@ class HistoryCheck:
 
     def _break(self, group: Any, seq: int, signature: str, neighbour: int, other: str, why: str | None = None) -> None:
         splits = f"; all_to_all_single splits disagree: {why}" if why else ""
-        reason = (
-            f"ranks disagree on collective #{seq} of group {group.name!r}: rank {self.rank} called {signature}, "
+        reason = disagreement(seq, group.name, (
+            f": rank {self.rank} called {signature}, "
             f"rank {neighbour} called {other}{splits} (found by the always-on mismatch check after the op ran, so its "
             "result may be wrong on any rank; every rank must make the same collective calls in the same order "
             "with matching dtypes and shapes; SPMD_DESYNC_CHECK=1 stops a mismatched call before it runs)"
-        )
+        ))
         group.mark_unusable(reason)
         group.fail_pending()

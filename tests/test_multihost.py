@@ -211,3 +211,24 @@ def test_gloo_conformance_suite_across_hosts(spmd_hosts):
 
     failures = failures_across_hosts(spmd_hosts(2), "gloo", env=run_env())
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])
+
+
+def test_the_default_backend_is_shm_inside_a_node_and_gloo_across_nodes(spmd_hosts, tmp_path):
+    """spmd.init() with no backend on 2 nodes x 2 ranks, an HSDP-style 2 x 2 mesh: the shard groups (one node each)
+    get spmd-shm, the replicate groups and the world (across the nodes) Gloo; every sum is the one-process one."""
+    from test_default_backend import SCRIPT, reports
+
+    hosts = spmd_hosts(2)
+    port = free_port()
+    base = [*SPMD, "run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"{hosts.nodes[0].address}:{port}",
+            "--rdzv-id", "defaults", "--rdzv-timeout", "20"]
+    agents = [node.popen([*base, "--node-rank", str(i), str(SCRIPT)], env=run_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=tmp_path) for i, node in enumerate(hosts.nodes)]
+    outs = finish(agents, timeout=90)
+    assert [a.returncode for a in agents] == [0, 0], [err[-3000:] for _, err in outs]
+    got = reports(outs[0][0] + outs[1][0])
+    assert [r["rank"] for r in got] == [0, 1, 2, 3]
+    for r in got:
+        assert (r["world"], r["replicate"]["backend"], r["shard"]["backend"]) == ("gloo", "gloo", "shm"), r
+        assert r["replicate"]["sum"] == r["replicate"]["expected"] and r["shard"]["sum"] == r["shard"]["expected"], r
+        assert r["world_sum"][0] == r["world_sum"][1], r

@@ -119,9 +119,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         )
     _print_binding()
     # The one rule spmd.init() follows everywhere: the highest-priority usable backend per device.
+    # A one-host backend (spmd-shm) is passed over for a group across hosts: both answers are shown.
     for device in backends().device_types():
         try:
             chosen = backends().for_device(device).spec.name
+            across = backends().for_device(device, lambda: True).spec.name
+            if across != chosen:
+                chosen += f" for a group whose ranks share one host (asked through the job's store), else {across}"
         except Exception as error:  # noqa: BLE001 - reported
             chosen = f"none ({error})"
         usable = sorted(

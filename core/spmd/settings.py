@@ -69,6 +69,8 @@ _SECONDS = "seconds, a number above 0, e.g. 30"
 SETTINGS: tuple[Setting, ...] = (
     Setting("SPMD_TIMEOUT", "timeout", _positive, _SECONDS,
             "default timeout of every blocking call when spmd.init(timeout=) is not given (unset: 10 minutes)"),
+    Setting("SPMD_BACKEND", "backend", str, "a backend name or a per-device map, e.g. gloo or cpu:gloo,cuda:nccl",
+            "the backend spmd.init() uses when the script names none (unset: the kernel's choice, see spmd doctor)"),
     Setting("SPMD_TORCH_INTEROP", "torch_interop", _flag, _FLAG,
             "whether spmd.init also makes torch.distributed's default group an spmd one (spmd.init(torch_interop=) wins)"),
     Setting("SPMD_TRACE_DIR", "trace_dir", str, "a directory path",
@@ -119,6 +121,7 @@ class Settings:
     """spmd's settings as the environment gave them; unset variables take these defaults."""
 
     timeout: float | None = None
+    backend: str | None = None
     torch_interop: bool = True
     trace_dir: str = "spmd_traces"
     flight_recorder: int = 2000

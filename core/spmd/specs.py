@@ -77,6 +77,11 @@ class BackendSpec:
     #: kernel waits for the other members, so a misconfiguration is named at once instead of
     #: after a timeout; it may load the native library, and must not wait for peers.
     precheck: Callable[[BackendContext], str | None] | None = None
+    #: The backend serves only groups whose ranks share one host (shared memory): the kernel's own
+    #: choice (``spmd.init()`` without a backend) passes it over for a group that spans hosts and takes
+    #: the next usable one, so such a backend can have the highest priority. Asked for by name, it is
+    #: used regardless (and its own check names the ranks that are elsewhere).
+    one_host: bool = False
     #: A command prefix that starts this backend's ranks (``("mpiexec", "-n", "{nproc}")``),
     #: for tools that launch jobs themselves (``spmd bench``); None means plain processes.
     launch: tuple[str, ...] | None = None

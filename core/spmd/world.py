@@ -75,7 +75,7 @@ def init_process_group(
         raise SpmdError("spmd is already initialised; call spmd.destroy_process_group() before init again")
     settings.refresh()  # an entry point: variables set since import count (spmd.settings)
     timeout = as_timedelta(timeout) or default_timeout()
-    backend_map = check_backends(backend)
+    backend_map = check_backends(backend if backend is not None else settings.current().backend)
     joined = bridge.torch_world() if store is None and init_method is None else None
     if joined is not None:
         torch_rank, torch_size, store = joined

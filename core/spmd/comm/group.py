@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from spmd.comm import hosts
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.failures import explain_failure
 from spmd.comm.registry import backends
@@ -87,6 +88,8 @@ class ProcessGroup:
         self.agreed_calls: set[tuple] = set()
         #: Why no op may run on this group any more (a failed or timed-out op, or destroy), else None.
         self.unusable: str | None = None
+        #: Device type -> the backend the kernel chose for it (no ``backend_map``), once asked.
+        self._chosen: dict[str, str] = {}
         #: What this rank's threads wait on synchronously right now (a backend's NativeWork, or a
         #: Work): given up with the group (``fail_pending``), so such a wait ends too.
         self.blocked: set[Any] = set()
@@ -110,9 +113,12 @@ class ProcessGroup:
     # -- backends ------------------------------------------------------------------
     def backend_name(self, device_type: str) -> str:
         """The backend this group uses (or will use) for ``device_type``."""
-        registry = backends()
-        if self.backend_map is None:
-            return registry.for_device(device_type).spec.name
+        if self.backend_map is None:  # the kernel's choice: the same on every rank (from what every rank sees)
+            chosen = self._chosen.get(device_type)
+            if chosen is None:
+                spans = lambda: hosts.spans_hosts(self.root_store, self.ranks, self.timeout_s)  # noqa: E731
+                chosen = self._chosen[device_type] = backends().for_device(device_type, spans).spec.name
+            return chosen
         name = self.backend_map.get(device_type)
         if name is None:
             configured = ", ".join(f"{d}:{b}" for d, b in self.backend_map.items())

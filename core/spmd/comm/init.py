@@ -19,7 +19,7 @@ import torch
 import torch.distributed as tdist
 
 from spmd import settings
-from spmd.comm import state, teardown
+from spmd.comm import hosts, state, teardown
 from spmd.comm.group import ProcessGroup, forget_group_names
 from spmd.comm.health.watchdog import world_baseline
 from spmd.comm.registry import backends, parse_backend_string
@@ -137,6 +137,8 @@ def start_world(
     if await_all and world_size > 1:
         await_arrivals(store, rank, world_size, timeout)  # names a rank that never came, on every rank
     forget_group_names()  # a new world numbers its groups' reused names afresh, as every rank does
+    if world_size > 1:
+        hosts.publish(store, rank)  # (read when a choice depends on where a group's ranks run)
     world = ProcessGroup(group_name, range(world_size), rank, store, timeout, backend_map, pg_options)
     state.set_state(state.WorldState(world=world, store=store, groups={group_name: world}, on_end=on_end))
     atexit.register(_close_at_exit)

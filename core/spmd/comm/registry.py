@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from spmd import hookspecs
 from spmd.comm.backend import BackendSpec
@@ -52,8 +52,12 @@ class BackendRegistry:
             raise BACKENDS.not_found(name)
         return entry
 
-    def for_device(self, device_type: str) -> RegisteredBackend:
-        """The highest-priority usable backend for ``device_type`` (what ``spmd.init()`` picks)."""
+    def for_device(self, device_type: str, spans_hosts: Callable[[], bool] | None = None) -> RegisteredBackend:
+        """The highest-priority usable backend for ``device_type`` (what ``spmd.init()`` picks).
+
+        ``spans_hosts()`` tells whether the group runs on several hosts; it is
+        asked only when a ``one_host`` backend comes first (None: one host).
+        """
         candidates = sorted(
             (e for e in self._entries.values() if device_type in e.spec.devices),
             key=lambda e: (-e.spec.priority, e.spec.name),
@@ -61,6 +65,8 @@ class BackendRegistry:
         reasons = []
         for entry in candidates:
             reason = entry.spec.unavailable_reason()
+            if reason is None and entry.spec.one_host and spans_hosts is not None and spans_hosts():
+                reason = "it serves only groups whose ranks share one host, and this group spans several"
             if reason is None:
                 return entry
             reasons.append(f"{entry.spec.name}: {reason}")

@@ -8,8 +8,9 @@ from collections.abc import Iterable
 
 import spmd
 
-#: Below spmd-gloo's 10 until shm is the tested default: ``spmd.init()`` picks Gloo, ``spmd.init("shm")`` this.
-PRIORITY = 5
+#: Above spmd-gloo's 10 (below spmd-mpi's 20 under mpiexec): ``spmd.init()`` picks shm for every CPU group whose ranks share one host
+#: (``one_host``: a group across hosts gets the next usable backend, Gloo).
+PRIORITY = 15
 
 
 def _available() -> str | None:
@@ -34,6 +35,7 @@ def spmd_backends() -> Iterable[spmd.BackendSpec]:
             devices=("cpu",),
             factory=_factory,
             priority=PRIORITY,
+            one_host=True,
             available=_available,
             backend_class="spmd_shm.backend:ShmBackend",
             description="shared memory between the ranks of one host (futex wake-ups, no network)",

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from spmd.comm import hosts
 from spmd.comm.backend import BackendContext
+from spmd.comm.store_wait import missing_keys
 from spmd.errors import BackendUnavailableError, CollectiveTimeoutError
 
 _ALIGN = 64
@@ -38,20 +40,6 @@ PACKET_HEADER = 32  # tag, total bytes, offset, length (i64 each)
 
 def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def host_identity() -> str:
-    """This host (boot id + hostname) and PID namespace: ranks with equal identities share /dev/shm and PIDs."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "no-boot-id"
-    try:
-        pidns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pidns = "no-pidns"
-    return f"{socket.gethostname()}|{boot}|{pidns}"
 
 
 def shm_dir() -> str:
@@ -126,21 +114,24 @@ class Segment:
 
 
 def check_same_host(ctx: BackendContext) -> None:
-    """Exchange host identities through the store; raise BackendUnavailableError if the group spans hosts."""
+    """Exchange host identities through the group's store; raise BackendUnavailableError if the group spans hosts.
+
+    (``spmd.init()``'s own choice never picks this backend for such a group: this names the ranks that
+    are elsewhere when a script asked for it by name.)
+    """
     store = ctx.store
-    store.set(f"shm/host/{ctx.rank}", host_identity())
+    store.set(f"shm/host/{ctx.rank}", hosts.host_identity())
     keys = [f"shm/host/{r}" for r in range(ctx.size)]
-    store.wait(keys, ctx.timeout)
-    hosts = [store.get(k).decode() for k in keys]
-    if len(set(hosts)) > 1:
-        by_host: dict[str, list[int]] = {}
-        for rank, host in enumerate(hosts):
-            by_host.setdefault(host.split("|", 1)[0] + (" (" + host.rsplit("|", 1)[1] + ")"), []).append(rank)
-        spread = "; ".join(f"ranks {ranks} on {host}" for host, ranks in by_host.items())
+    missing = missing_keys(store, keys, ctx.timeout.total_seconds())
+    if missing:
+        raise CollectiveTimeoutError(f"shm: ranks {missing} of group {ctx.group_name!r} did not join its backend within "
+                           f"{ctx.timeout.total_seconds():.1f} s")
+    idents = [bytes(v).decode() for v in store.multi_get(keys)]
+    if len(set(idents)) > 1:
         raise BackendUnavailableError(
             f"the shm backend serves only groups whose ranks share one host (and PID namespace), but group "
-            f"{ctx.group_name!r} spans several: {spread}. Use a network backend for this group "
-            "(spmd.init('gloo'), or new_group(..., backend='gloo'))"
+            f"{ctx.group_name!r} spans several: {hosts.describe(idents, list(range(ctx.size)))}. Use a network "
+            "backend for this group (spmd.init() without a backend picks one; or new_group(..., backend='gloo'))"
         )
 
 

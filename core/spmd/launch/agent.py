@@ -317,8 +317,8 @@ class Agent:
         left_key = rdzv.key(round_, "left")
         if not hosting:
             try:
-                rdzv.set(round_, f"left{me}", "1")
-                rdzv.store.add(left_key, 1)  # the host may take the store down now
+                rdzv.store.add(left_key, 1)  # (before the flag: a host that sees the flag finds the count)
+                rdzv.set(round_, f"left{me}", "1")  # the host may take the store down now
             except Exception:  # noqa: BLE001 - the host stopped waiting for this agent: nothing left to tell it
                 pass
             return

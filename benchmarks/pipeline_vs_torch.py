@@ -1,4 +1,4 @@
-"""spmd's pipeline schedules against the simulator, and spmd 1F1B against torch's Schedule1F1B, over Gloo.
+"""spmd's pipeline schedules against the simulator, and spmd 1F1B against torch's Schedule1F1B (on Gloo).
 
     python benchmarks/pipeline_vs_torch.py                  # 4 ranks, 8 blocks of width 256, 8 microbatches
     python benchmarks/pipeline_vs_torch.py --rounds 20 --width 512 --json
@@ -72,7 +72,7 @@ def worker(args: argparse.Namespace) -> None:
     from spmd.pipeline import PipelineStage, get_schedule, simulate
 
     torch.set_num_threads(1)
-    rank, world = init_both("gloo", "gloo")
+    rank, world = init_both(args.backend, "gloo")
     from torch.distributed.pipelining import PipelineStage as TorchStage
     from torch.distributed.pipelining import Schedule1F1B
 
@@ -169,10 +169,12 @@ def worker(args: argparse.Namespace) -> None:
     paired = statistics.median(a / b for a, b in zip(per_side["spmd"], per_side["torch"], strict=True))
     vs = {"spmd_ms": s_med * 1e3, "torch_ms": t_med * 1e3, "ratio_of_medians": s_med / t_med, "median_paired_ratio": paired}
     if rank == 0:
+        import spmd
+
         if args.json:
             print(json.dumps({"schedules": rows, "1f1b_vs_torch": vs}))
         else:
-            print(f"{world} ranks on {cores} cores, Gloo, width {width}, batch {batch}, {m} microbatches, "
+            print(f"{world} ranks on {cores} cores, spmd on {spmd.get_backend()} (torch on Gloo), width {width}, batch {batch}, {m} microbatches, "
                   f"median of {args.rounds} rounds")
             print(f"{'schedule':<18}{'stages':>7}{'measured ms':>13}{'simulated ms':>14}{'predicted ms':>14}{'measured/pred':>15}")
             for r in rows:
@@ -195,6 +197,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cost-reps", type=int, default=10)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--backend", default=None, help="spmd's backend (default: spmd.init()'s own choice, spmd-shm on one "
+                        "host); torch's side stays on Gloo")
     args = parser.parse_args()
     run_as_ranks(worker, args, args.world_size)
 

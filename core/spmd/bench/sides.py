@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 
-def init_both(backend: str, torch_backend: str, timeout_s: float = 300.0) -> tuple[int, int]:
-    """spmd on ``backend`` and torch.distributed on ``torch_backend``, from torchrun's variables; returns (rank, world)."""
+def init_both(backend: str | None, torch_backend: str, timeout_s: float = 300.0) -> tuple[int, int]:
+    """spmd on ``backend`` (None: its own choice) and torch.distributed on ``torch_backend``, from torchrun's
+    variables; returns (rank, world)."""
     import torch.distributed as tdist
 
     import spmd

@@ -98,7 +98,7 @@ def all_reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> 
     total = flat.numel() * flat.element_size()
     split = eng.n >= max(2, SPLIT_RANKS) and total >= SPLIT_BYTES and flat.numel() >= eng.n * _LINE
     name = _SPLIT if split else "all_reduce"  # signed: ranks that chose different paths get a named error
-    everyone, per = list(range(eng.n)), _chunk(eng, flat.element_size())
+    per = _chunk(eng, flat.element_size())
     for start in range(0, flat.numel(), per):
         piece = flat if per >= flat.numel() else flat[start : start + per]
         r = yield from eng.begin_round(work, "all_reduce")
@@ -110,11 +110,21 @@ def all_reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> 
         if split:
             yield from _reduce_slices(eng, work, r, piece, op)
         else:
-            piece.copy_(_read(eng, 0, r, flat.dtype, 0, piece.numel()))
-            for q in everyone[1:]:
+            for q in _whole_order(eng, piece, r):
                 reduce_into(piece, _read(eng, q, r, flat.dtype, 0, piece.numel()), op)
         eng.finish_round(r)
     finish_avg(flat, op, eng.n)
+
+
+def _whole_order(eng: Rounds, piece: torch.Tensor, r: int) -> list[int]:
+    """The slots to reduce into ``piece`` (which holds this rank's own chunk), in rank order: ranks 0 and 1
+    start from their own data (x1 op x0 is x0 op x1: the ops are commutative), saving a copy of the chunk;
+    the others start from rank 0's slot, copied in."""
+    n, me, everyone = eng.n, eng.me, range(eng.n)
+    if me <= 1:
+        return [q for q in (1 - me,) if q < n] + list(everyone[2:])
+    piece.copy_(_read(eng, 0, r, piece.dtype, 0, piece.numel()))
+    return list(everyone[1:])
 
 
 def _slices(n: int, count: int, element_size: int) -> list[int]:

@@ -9,6 +9,8 @@ nothing remains in /dev/shm, even if a rank is later SIGKILLed.
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
 import mmap
 import os
 import re
@@ -36,6 +38,8 @@ ATTACHED, BROKEN, CLOSED = 1, 2, 3
 #: Per ordered pair of ranks: produced (i64, written by the sender), consumed (i64, by the receiver).
 _PAIR_CTRL = 128
 PACKET_HEADER = 32  # tag, total bytes, offset, length (i64 each)
+
+log = logging.getLogger("spmd.shm")
 
 
 def _round_up(n: int) -> int:
@@ -136,7 +140,13 @@ def check_same_host(ctx: BackendContext) -> None:
 
 
 def open_segment(ctx: BackendContext, layout: Layout) -> Segment:
-    """Create (rank 0) or attach the group's segment, wait until every rank attached, then unlink it."""
+    """Create (rank 0) or attach the group's segment, wait until every rank attached, then unlink it.
+
+    Rank 0 reserves the segment's memory up front (``posix_fallocate``): where /dev/shm is short of room
+    (a container's 64 MiB default) it shrinks the slots and packets until the segment fits, and publishes
+    the layout it chose with the segment's name; where even the smallest does not fit, every rank raises
+    the same named error at once (a write to an unreserved page of a full tmpfs would be a SIGBUS).
+    """
     store = ctx.store
     deadline = time.monotonic() + ctx.timeout.total_seconds()
     if ctx.rank == 0:
@@ -146,19 +156,28 @@ def open_segment(ctx: BackendContext, layout: Layout) -> Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
-                os.ftruncate(fd, layout.total)
+                fitted = _reserve(fd, layout, ctx.group_name)
+                if fitted is None:
+                    problem = _no_room(layout, ctx.group_name)
+                    store.set("shm/segment", "error|" + problem)
+                    raise BackendUnavailableError(problem)
+                layout = fitted
                 mm = mmap.mmap(fd, layout.total)
             finally:
                 os.close(fd)
             segment = Segment(mm, layout)
             _attach(segment, 0)
-            store.set("shm/segment", path)
+            store.set("shm/segment", f"{path}|{layout.slot_bytes}|{layout.packet_bytes}")
             _await_attached(segment, ctx, deadline)
         finally:
             os.unlink(path)
         return segment
     store.wait(["shm/segment"], ctx.timeout)
-    path = store.get("shm/segment").decode()
+    published = store.get("shm/segment").decode()
+    if published.startswith("error|"):
+        raise BackendUnavailableError(published.partition("|")[2])
+    path, slot_bytes, packet_bytes = published.rsplit("|", 2)
+    layout = Layout(layout.size, int(slot_bytes), int(packet_bytes), layout.packets)
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError as error:
@@ -173,6 +192,50 @@ def open_segment(ctx: BackendContext, layout: Layout) -> Segment:
     segment = Segment(mm, layout)
     _attach(segment, ctx.rank)
     return segment
+
+
+#: The smallest slot and packet a segment shrinks to where /dev/shm is short of room.
+MIN_SLOT_BYTES, MIN_PACKET_BYTES = 64 << 10, 16 << 10
+
+
+def _reserve(fd: int, layout: Layout, group: str) -> Layout | None:
+    """Size the file and reserve its memory: ``layout``, or (no room) the largest halving of its slots and
+    packets that fits; None if not even the smallest does."""
+    wanted = layout
+    while True:
+        os.ftruncate(fd, layout.total)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, layout.total)
+            break
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            os.ftruncate(fd, 0)  # (gives back what the failed reservation took)
+            if layout.slot_bytes <= MIN_SLOT_BYTES and layout.packet_bytes <= MIN_PACKET_BYTES:
+                return None
+            layout = Layout(layout.size, max(MIN_SLOT_BYTES, layout.slot_bytes // 2),
+                            max(MIN_PACKET_BYTES, layout.packet_bytes // 2), layout.packets)
+    if layout != wanted:
+        log.warning("shm: %s had no room for group %r's %d MiB segment: it uses %d KiB slots and %d KiB packets instead "
+                    "of %d KiB and %d KiB (%d MiB; large messages take more rounds). Give /dev/shm more room (docker "
+                    "run --shm-size=1g, or a larger tmpfs) for full speed", shm_dir(), group, wanted.total >> 20,
+                    layout.slot_bytes >> 10, layout.packet_bytes >> 10, wanted.slot_bytes >> 10,
+                    wanted.packet_bytes >> 10, layout.total >> 20)
+    return layout
+
+
+def _no_room(layout: Layout, group: str) -> str:
+    """The error when not even the smallest segment fits in /dev/shm."""
+    smallest = Layout(layout.size, MIN_SLOT_BYTES, MIN_PACKET_BYTES, layout.packets)
+    try:
+        stats = os.statvfs(shm_dir())
+        free = f"{stats.f_bavail * stats.f_frsize / 2**20:.1f} MiB free"
+    except OSError:
+        free = "too little room"
+    return (f"shm: {shm_dir()} has {free}, but group {group!r} of {layout.size} ranks needs a shared segment of at least "
+            f"{smallest.total / 2**20:.1f} MiB ({layout.total / 2**20:.1f} MiB at full speed); give /dev/shm more room (docker run "
+            "--shm-size=1g, or a larger tmpfs), or use a network backend: SPMD_BACKEND=gloo, or spmd.init('gloo')")
 
 
 def _attach(segment: Segment, rank: int) -> None:

@@ -166,6 +166,34 @@ def test_two_agents_run_a_job_over_etcd_and_leave_no_keys(etcd_server):
     assert EtcdClient(parse_endpoints(etcd_server.endpoint)).get_prefix(b"/spmd/pair/") == []  # the last agent revoked the job's lease
 
 
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_with_worker_store_etcd_the_workers_keep_their_keys_on_etcd_and_the_job_runs(etcd_server, backend):
+    """--rdzv-conf worker_store=etcd: no agent hosts a store; the workers' spmd.init, Gloo's or shm's own rendezvous,
+    the mesh's groups and the health checks all go through etcd, every sum is right, and no key is left."""
+    from test_default_backend import SCRIPT, reports
+
+    cmd = [*SPMD, "run", "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", f"workers-{backend}",
+           "--rdzv-conf", "worker_store=etcd", "--nnodes", "2", "--nproc-per-node", "2", str(SCRIPT)]
+    agents = [subprocess.Popen(cmd, env=clean_env(SPMD_BACKEND=backend, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True) for _ in range(2)]
+    outs = [a.communicate(timeout=90) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], [o[1][-3000:] for o in outs]
+    got = reports(outs[0][0] + outs[1][0])
+    assert [r["rank"] for r in got] == [0, 1, 2, 3]
+    for r in got:
+        assert r["store"] == "etcd" and r["world"] == backend, r
+        assert r["replicate"]["sum"] == r["replicate"]["expected"] and r["shard"]["sum"] == r["shard"]["expected"], r
+        assert r["world_sum"][0] == r["world_sum"][1], r
+    assert EtcdClient(parse_endpoints(etcd_server.endpoint)).get_prefix(f"/spmd/workers-{backend}/".encode()) == []
+
+
+def test_a_worker_store_that_is_not_node_or_etcd_is_refused(etcd_server):
+    out = subprocess.run([*SPMD, "run", "--rdzv-backend", "etcd", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-conf",
+                          "worker_store=redis", str(SCRIPTS / "spmd_report.py")], env=clean_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "--rdzv-conf worker_store=redis: use node or etcd" in out.stderr, out.stderr[-2000:]
+
+
 def test_the_survivor_reforms_the_job_after_the_store_hosting_node_is_killed(etcd_server, tmp_path):
     """Node 0 hosts round 0's worker store; SIGKILL it (agent and workers). The other agent restarts alone
     (--nnodes 1:2, --max-restarts 1) in a round it is node 0 of, hosting a new store, and finishes."""

@@ -29,8 +29,10 @@ from spmd.comm.init import (
     make_store,
     start_world,
 )
+from spmd.comm.tcp_store import job_scope
 from spmd.errors import SpmdError
 from spmd.interop import bridge
+from spmd.launch import worker_store
 from spmd.launch.environments import DEFAULT_MASTER_PORT, detect_launch
 
 log = logging.getLogger("spmd")
@@ -89,13 +91,13 @@ def init_process_group(
             log.info("spmd.init: no launcher detected, running as a world of one")
         else:
             rank, world_size, addr, port = _resolve_world(init_method, rank, world_size)
-        store, store_host = make_store(init_method, rank, world_size, addr, port, timeout)
+        store, store_host = _job_store(init_method, rank, world_size, addr, port, timeout)
     elif rank < 0 or world_size < 0:
         raise ValueError("init_process_group(store=...) also needs rank= and world_size=")
     elif not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world size {world_size}: ranks are 0..{world_size - 1}")
     world = start_world(store, rank, world_size, timeout, backend_map, group_name=group_name, pg_options=pg_options,
-                        trace_dir=trace_dir, store_host=store_host, await_all=made_here, on_end=bridge.detach)
+                        trace_dir=trace_dir, store_host=store_host, await_all=made_here, on_end=_on_world_end)
     if joined is None and not tdist.is_initialized() and bridge.interop_requested(torch_interop):
         bridge.attach(world, store, timeout)
     return world
@@ -120,9 +122,41 @@ def destroy_process_group(group: ProcessGroup | None = None) -> None:
         close_group(group)
 
 
+def _job_store(init_method: str | None, rank: int, world_size: int, addr: str, port: int,
+               timeout: timedelta) -> tuple[tdist.Store, str | None]:
+    """``comm.init.make_store``, or where ``spmd run`` keeps its workers' keys on etcd, that store."""
+    global _etcd_store
+    agent = settings.current().agent_store
+    if agent and agent.startswith(worker_store.SCHEME) and init_method in (None, "env://"):
+        etcd = _etcd_store = worker_store.open_store(agent, timeout.total_seconds())
+        scoped = tdist.PrefixStore(settings.current().store_prefix, job_scope(etcd))
+        return scoped, f"etcd at {etcd.client.describe()} (--rdzv-conf worker_store=etcd)"
+    return make_store(init_method, rank, world_size, addr, port, timeout)
+
+
+#: The etcd store this process's world runs on (``--rdzv-conf worker_store=etcd``): torch's PrefixStore
+#: keeps no Python reference to the store it wraps, so the world keeps it until it ends.
+_etcd_store: Any = None
+
+
+def _on_world_end() -> None:
+    """The world's last step: torch's default group detached, the etcd store's leases left to expire."""
+    global _etcd_store
+    bridge.detach()
+    if _etcd_store is not None:
+        store, _etcd_store = _etcd_store, None
+        try:
+            store.close(revoke=False)  # (its keys expire with this process's lease; the agents delete the rest)
+        except Exception:  # noqa: BLE001 - etcd may be gone: nothing is left to release
+            pass
+
+
 def job_store_endpoint() -> tuple[str, int] | None:
     """The job's store as this process's launcher environment names it (``spmd run``'s agent, else MASTER_ADDR:PORT), or None."""
     agent = settings.current().agent_store
+    on_etcd = worker_store.address(agent) if agent else None
+    if on_etcd is not None:
+        return on_etcd
     if agent and agent.rpartition(":")[2].isdigit():
         host, _, port = agent.rpartition(":")
         return host, int(port)

@@ -5,6 +5,7 @@ Ranks 0..n/2-1 and n/2..n-1 are the two "nodes" (spmd run --nproc-per-node n/2 o
 """
 
 import json
+import os
 
 import torch
 
@@ -13,7 +14,7 @@ import spmd
 spmd.init()
 rank, world = spmd.get_rank(), spmd.get_world_size()
 mesh = spmd.init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-report = {"rank": rank, "world": spmd.get_backend()}
+report = {"rank": rank, "world": spmd.get_backend(), "store": os.environ.get("SPMD_AGENT_STORE", "").partition(":")[0]}
 for dim in ("replicate", "shard"):
     group = mesh.get_group(dim)
     t = torch.tensor([float(rank + 1)])

@@ -93,7 +93,8 @@ def _nproc(text: str) -> int:
 #: torchrun flags that ``spmd run`` accepts and what each does here: flag -> (alias, metavar or None for a switch, note).
 ACCEPTED: dict[str, tuple[str, str | None, str]] = {
     "--rdzv-conf": ("--rdzv_conf", "CONF", "join_timeout and last_call_timeout set --rdzv-timeout and --last-call; protocol, cacert, cert, key, user "
-                   "and password_file secure --rdzv-backend etcd (docs/rendezvous.md); other keys are ignored"),
+                   "and password_file secure --rdzv-backend etcd, worker_store=etcd keeps the workers' keys there too "
+                   "(docs/rendezvous.md); other keys are ignored"),
     "--start-method": ("--start_method", "METHOD", "workers are always fresh processes (like spawn)"),
     "--event-log-handler": ("--event_log_handler", "HANDLER", "no event log; the agent reports to stderr"),
     "--role": ("--role", "ROLE", "no roles: every worker runs the same script"),

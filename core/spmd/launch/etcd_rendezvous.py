@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch.distributed as tdist
 
 from spmd.comm.tcp_store import host_tcp_store
+from spmd.launch import worker_store
 from spmd.launch.args import RunConfig
 from spmd.launch.etcd_client import EtcdClient, parse_endpoints
 from spmd.launch.etcd_security import security_from_conf
@@ -44,7 +45,8 @@ def job_prefix(rdzv_id: str, token: str | None) -> bytes:
 
 
 class EtcdRendezvous(RendezvousBackend):
-    """The job's rounds on etcd under ``job_prefix``; this agent hosts the workers' store in rounds where it is node 0."""
+    """The job's rounds on etcd under ``job_prefix``; this agent hosts the workers' store in rounds where it is node 0
+    (or, with ``--rdzv-conf worker_store=etcd``, the workers keep theirs on etcd too: ``spmd.launch.worker_store``)."""
 
     wakes_waiters = True  # (EtcdStore.wait is a watch)
 
@@ -61,9 +63,16 @@ class EtcdRendezvous(RendezvousBackend):
         self.local_address = local_address_towards(host, port)
         self.timeout = config.rdzv_timeout
         self._hosted: tdist.TCPStore | None = None  # this agent's round store, while it is the round's node 0
+        conf = dict(config.rdzv_conf)
+        self._worker_store = worker_store.choice(conf)
+        self._worker_url = lambda round_: worker_store.url(
+            config.rdzv_endpoint or "", conf, self._etcd.prefix + f"workers/round{round_}/".encode())
 
     def round_store(self, rdzv: Rendezvous, membership: Membership) -> tuple[str, bool]:
         self._hosted = None  # the last round's store (its workers are stopped) goes
+        if self._worker_store == "etcd":  # the workers keep their keys on etcd as well: no agent hosts a store, and
+            # node 0, as it would as the host, waits for the others to leave and then deletes the job's keys
+            return self._worker_url(membership.round), membership.node_rank == 0
         if membership.node_rank == 0:
             hosted = host_tcp_store(self.local_address, 0, None, timedelta(seconds=self.timeout), wait_for_workers=False, multi_tenant=False)
             self._hosted = hosted

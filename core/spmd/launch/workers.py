@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO
 
 from spmd.comm.address import binding_towards
+from spmd.launch import worker_store
 from spmd.launch.args import RunConfig
 from spmd.launch.console import CONSOLE_VARIABLE, agent_console_is_terminal
 from spmd.launch.containment import die_with_agent
@@ -129,6 +130,9 @@ def _gloo_interface(store_endpoint: str) -> str | None:
     """
     if "GLOO_SOCKET_IFNAME" in os.environ:
         return None
+    on_etcd = worker_store.address(store_endpoint)
+    if on_etcd is not None:
+        return binding_towards(*on_etcd).interface
     host, _, port = store_endpoint.rpartition(":")
     return binding_towards(host, int(port)).interface if port.isdigit() else None
 

@@ -106,8 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vs-raw", action="store_true")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--threads", default="1", help="torch threads per rank, or 'default' to leave torch's own count")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    if args.threads != "default":
+        torch.set_num_threads(int(args.threads))
     spmd.init(args.backend, timeout=120)
     try:
         results = run(args.backend, args.ops.split(","), [int(s) for s in args.sizes.split(",")], args.budget, args.vs_raw, args.progress)

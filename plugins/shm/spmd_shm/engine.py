@@ -163,8 +163,8 @@ class Engine:
         try:
             with one_torch_thread():
                 self._step()
-            if self.rings.waiting:
-                self.rings.check_recvs()
+                if self.rings.waiting:
+                    self.rings.check_recvs()  # drains a sender's packets too
         except BaseException as error:  # noqa: BLE001 - a bug must not hang the ranks: fail everything
             self.fail_all(error)
         if self._abandoned and self.broken is None:

@@ -160,3 +160,21 @@ def test_engine_rounds_run_on_one_thread_and_leave_the_callers_count(spmd_world,
         assert all(count == 1 for _, count in rounds), f"torch threads inside the engine's rounds: {rounds}"
         assert result["caller_after"] == 2
         assert result["sums"] == [True, True]
+
+
+def generic_thread_counts() -> dict:
+    """With torch at 2 threads: what a generic algorithm sees on the kernel's runner thread, and a real one's result."""
+    torch.set_num_threads(2)
+    backend = spmd.comm.state.get_state().world.backend("cpu")
+    seen: list[int] = []
+    assert backend._run_generic(lambda channel: seen.append(torch.get_num_threads())).wait(10)
+    n, me = spmd.get_world_size(), spmd.get_rank()
+    t = torch.full((1 << 18,), float(me + 1))
+    spmd.all_reduce(t)  # p2p's all_reduce is the kernel's generic ring: reductions on the runner thread
+    return {"seen": seen, "caller_after": torch.get_num_threads(), "sum": bool(torch.all(t == float(sum(range(1, n + 1)))))}
+
+
+@needs_openmp
+def test_generic_algorithms_run_on_one_thread(spmd_world) -> None:
+    for result in spmd_world(2, "p2p").run(generic_thread_counts, timeout=60):
+        assert result == {"seen": [1], "caller_after": 2, "sum": True}

@@ -10,6 +10,12 @@ Each rank times every op and size at torch's default thread count and at one thr
 every repetition), so load from elsewhere on the host hits both alike. It prints each mode's
 median per call, their ratio default/one, and the lowest and highest ratio of a repetition's
 pair of blocks (the spread). Goal (issue 38): ratio <= 1.5 in every row, for every backend.
+
+``torch.set_num_threads`` sets the calling thread's count; a thread of the backend's own (a
+progress thread, the kernel's runner of generic algorithms) keeps the count it had at its first
+parallel op. So this compares the calling thread's count, where synchronous ops progress; the
+exact comparison, each rank started at one thread or at the default, is
+``spmd bench collectives --threads 1`` against ``--threads default`` (separate runs, noisier).
 """
 
 from __future__ import annotations

@@ -62,6 +62,24 @@ def test_another_threads_count_is_untouched(two_threads) -> None:
     assert counts == [2]
 
 
+@needs_openmp
+def test_a_thread_started_inside_the_block_gets_the_programs_count(two_threads) -> None:
+    """Only the calling thread's OpenMP count changes: torch's process-wide default, which a new thread
+    reads at its first parallel op, stays the program's."""
+    from spmd.comm import threads
+
+    with one_torch_thread():
+        pass
+    if threads._set is torch.set_num_threads:
+        pytest.skip("this process's first OpenMP runtime is not torch's: the block falls back to torch.set_num_threads")
+    counts: list[int] = []
+    with one_torch_thread():
+        thread = threading.Thread(target=lambda: counts.append(torch.get_num_threads()))
+        thread.start()
+        thread.join(10)
+    assert counts == [2]
+
+
 def test_a_thread_at_one_stays_at_one() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -79,7 +79,8 @@ def test_json_rows_follow_the_formulas(tmp_path):
         assert r["ratio_vs_raw"] == pytest.approx(r["median_s"] / r["raw_median_s"])
         assert r["after_work_median_s"] > 0  # the same op timed after a barrier and 1 ms idle
     assert "after_work_median_s" in csv_path.read_text().splitlines()[0]
-    assert csv_path.read_text().startswith("backend,op,bytes,world_size,median_s")
+    assert csv_path.read_text().startswith("backend,op,bytes,world_size,threads,median_s")
+    assert {r["threads"] for r in rows} == {1}  # one torch thread per rank unless --threads says otherwise
     assert "[gloo]" not in out.stderr  # --json is quiet
 
 
@@ -89,7 +90,7 @@ def test_tables_and_plot(tmp_path):
     out = subprocess.run([*SPMD, "--backend", "gloo,p2p", "--ops", "all_reduce", "--sizes", "4,4096", "--plot", str(png)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "all_reduce  (2 ranks; busbw factor 1" in out.stdout
+    assert "all_reduce  (2 ranks, 1 torch thread each; busbw factor 1" in out.stdout
     assert "gloo median" in out.stdout and "p2p median" in out.stdout and "x gloo" in out.stdout
     assert png.stat().st_size > 10_000
 
@@ -109,3 +110,29 @@ def test_agrees_with_a_hand_written_loop(spmd_world):
     bench = json.loads(out.stdout)["rows"][0]["median_s"]
     # a loaded 2-core host moves medians by tens of percent between runs; a factor 2 is a real disagreement
     assert 0.5 < bench / hand < 2.0, (bench, hand)
+
+
+def test_rendezvous_env_can_leave_the_thread_count_unset():
+    """omp_num_threads=None: no OMP_NUM_THREADS for the ranks, even if the caller has one (a launcher that sets none)."""
+    env = rendezvous_env(port=12345, omp_num_threads=None, base={"OMP_NUM_THREADS": "1", "KEEP": "1"})
+    assert "OMP_NUM_THREADS" not in env and env["KEEP"] == "1"
+    assert rendezvous_env(port=12345, omp_num_threads="3", base={})["OMP_NUM_THREADS"] == "3"
+
+
+def test_threads_default_leaves_torchs_own_count_in_every_rank():
+    """--threads default: each rank has the count a fresh process without OMP_NUM_THREADS gets, though ours sets
+    OMP_NUM_THREADS=1 (tests run so); the default, --threads 1: test_json_rows_follow_the_formulas."""
+    import os
+
+    bare = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    default = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=bare,
+                                 capture_output=True, text=True, timeout=120, check=True).stdout)
+    out = subprocess.run([*SPMD, "--backend", "gloo", "--ops", "all_reduce", "--sizes", "4", "--budget", "0.005", "--threads", "default", "--json"],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert [r["threads"] for r in json.loads(out.stdout)["rows"]] == [default]
+
+
+def test_threads_flag_rejects_what_is_not_a_count():
+    out = subprocess.run([*SPMD, "--threads", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "neither a positive thread count nor 'default'" in out.stderr

@@ -163,6 +163,15 @@ def _print_binding() -> None:
             print(f"  {spec.name} binds to: unknown ({type(error).__name__}: {error})")
 
 
+def _bench_threads(value: str) -> int | None:
+    """``--threads``: a positive count, or ``default`` (None: torch's own thread count)."""
+    if value == "default":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a positive thread count nor 'default'")
+    return int(value)
+
+
 def cmd_bench_collectives(args: argparse.Namespace) -> int:
     from spmd.bench import report, runner
     from spmd.bench.ops import OPS
@@ -179,7 +188,7 @@ def cmd_bench_collectives(args: argparse.Namespace) -> int:
     skipped = {}
     for name in names:
         try:
-            rows += runner.run_backend(name, args.nproc, ops, sizes, args.budget, args.vs_raw, not args.json, args.timeout)
+            rows += runner.run_backend(name, args.nproc, ops, sizes, args.budget, args.vs_raw, not args.json, args.timeout, args.threads)
         except Exception as error:  # noqa: BLE001 - one backend failing must not hide the others
             skipped[name] = str(error)
             print(f"spmd bench: skipping {name}: {error}", file=sys.stderr)
@@ -292,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     coll.add_argument("--csv", default=None, metavar="FILE", help="also write the rows as CSV")
     coll.add_argument("--plot", default=None, metavar="PNG", help="draw bus bandwidth against size (needs matplotlib)")
     coll.add_argument("--timeout", type=float, default=600.0, help="seconds per backend before giving up")
+    coll.add_argument("--threads", type=_bench_threads, default=1, metavar="N|default",
+                      help="torch threads per rank (default 1); 'default' leaves OMP_NUM_THREADS unset and torch at a "
+                           "thread per core, as a launcher that sets neither (measures oversubscription)")
     coll.set_defaults(func=cmd_bench_collectives)
     trace = sub.add_parser("trace", help="flight-recorder dumps")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)

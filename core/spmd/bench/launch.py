@@ -29,16 +29,21 @@ from spmd.testing.ports import free_port
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
-def rendezvous_env(*, port: int | None = None, omp_num_threads: str = "1", base: Mapping[str, str] | None = None) -> dict[str, str]:
+def rendezvous_env(*, port: int | None = None, omp_num_threads: str | None = "1", base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for ranks on this host: ``base`` (default: ours) less its rank variables, plus the rendezvous.
 
     ``MASTER_ADDR`` is 127.0.0.1 and ``MASTER_PORT`` a free port below the
     kernel's ephemeral range (``spmd.testing.ports.free_port``) unless
     ``port`` is given. ``OMP_NUM_THREADS`` defaults to 1: N ranks on one host
     each spinning up a thread per core measure the oversubscription, not the op.
+    ``omp_num_threads=None`` leaves it unset, as a launcher that does not set it
+    would: each rank's torch then uses a thread per core.
     """
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in RANK_VARIABLES}
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port() if port is None else port), "OMP_NUM_THREADS": omp_num_threads})
+    drop = RANK_VARIABLES if omp_num_threads is not None else (*RANK_VARIABLES, "OMP_NUM_THREADS")
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in drop}
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port() if port is None else port)})
+    if omp_num_threads is not None:
+        env["OMP_NUM_THREADS"] = omp_num_threads
     return env
 
 

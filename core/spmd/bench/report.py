@@ -40,7 +40,9 @@ def tables(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> str:
     for op in ops:
         sizes = sorted({r["bytes"] for r in rows if r["op"] == op})
         world = next(r["world_size"] for r in rows if r["op"] == op)
-        lines.append(f"\n{op}  ({world} ranks; busbw factor {bus_factor(op, world):.3g}; times in us, bandwidths in GB/s)")
+        threads = sorted({r["threads"] for r in rows if r["op"] == op and "threads" in r})
+        each = f", {'/'.join(map(str, threads))} torch thread{'s' if threads != [1] else ''} each" if threads else ""
+        lines.append(f"\n{op}  ({world} ranks{each}; busbw factor {bus_factor(op, world):.3g}; times in us, bandwidths in GB/s)")
         header = f"{'size':>9}"
         for i, b in enumerate(present):
             header += f" | {b + ' median':>14} {'min':>8} {'max':>8} {'algbw':>7} {'busbw':>7} {'after work':>10}"
@@ -70,7 +72,7 @@ def tables(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> str:
 
 def to_csv(rows: Sequence[dict[str, Any]]) -> str:
     buffer = io.StringIO()
-    fields = ["backend", "op", "bytes", "world_size", "median_s", "min_s", "max_s", "n", "algbw_gbs", "busbw_gbs", "after_work_median_s", "raw_median_s", "ratio_vs_raw"]
+    fields = ["backend", "op", "bytes", "world_size", "threads", "median_s", "min_s", "max_s", "n", "algbw_gbs", "busbw_gbs", "after_work_median_s", "raw_median_s", "ratio_vs_raw"]
     writer = csv.DictWriter(buffer, fieldnames=fields, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)

@@ -9,7 +9,6 @@ through it; the rest as plain processes with torchrun's variables.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,8 +25,13 @@ def installed_runnable(device: str = "cpu") -> list[str]:
     return [e.spec.name for e in sorted(entries, key=lambda e: (-e.spec.priority, e.spec.name))]
 
 
-def run_backend(backend: str, nproc: int, ops: list[str], sizes: list[int], budget: float, vs_raw: bool, progress: bool, timeout: float) -> list[dict[str, Any]]:
-    """Start ``nproc`` ranks for ``backend`` and return rank 0's rows."""
+def run_backend(backend: str, nproc: int, ops: list[str], sizes: list[int], budget: float, vs_raw: bool, progress: bool, timeout: float,
+                threads: int | None = 1) -> list[dict[str, Any]]:
+    """Start ``nproc`` ranks for ``backend`` and return rank 0's rows.
+
+    ``threads``: torch threads per rank (``OMP_NUM_THREADS`` and ``torch.set_num_threads``); None
+    leaves both at torch's default (a thread per core), as under a launcher that sets neither.
+    """
     spec = backends().get(backend).spec
     reason = spec.unavailable_reason()
     if reason is not None:
@@ -35,12 +39,13 @@ def run_backend(backend: str, nproc: int, ops: list[str], sizes: list[int], budg
     with tempfile.TemporaryDirectory(prefix="spmd-bench-") as tmp:
         out = Path(tmp) / "results.json"
         worker = [sys.executable, "-m", "spmd.bench.worker", "--backend", backend, "--ops", ",".join(ops),
-                  "--sizes", ",".join(map(str, sizes)), "--budget", str(budget), "--out", str(out)]
+                  "--sizes", ",".join(map(str, sizes)), "--budget", str(budget), "--out", str(out),
+                  "--threads", "default" if threads is None else str(threads)]
         if vs_raw:
             worker.append("--vs-raw")
         if progress:
             worker.append("--progress")
-        env = rendezvous_env(omp_num_threads=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = rendezvous_env(omp_num_threads=None if threads is None else str(threads))
         launch = getattr(spec, "launch", None)
         launcher = [part.format(nproc=nproc) for part in launch] if launch else None
         try:

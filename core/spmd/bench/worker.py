@@ -76,7 +76,7 @@ def run(backend: str, ops: list[str], sizes: list[int], budget_s: float, vs_raw:
             after_iters = iterations_for(_agree_max(start) + AFTER_WORK_IDLE_S, budget_s / len(sides), lo=5, hi=100)
             after = time_after_work(ours, after_iters, spmd.barrier)
             scale = 0.5 if op == "sendrecv" else 1.0  # ping-pong: report one direction
-            row: dict[str, Any] = {"backend": backend, "op": op, "bytes": nbytes, "world_size": world}
+            row: dict[str, Any] = {"backend": backend, "op": op, "bytes": nbytes, "world_size": world, "threads": torch.get_num_threads()}
             row.update({k: (v * scale if k != "n" else v) for k, v in summarize(logs[0]).items()})
             row["after_work_median_s"] = summarize(after)["median_s"] * scale
             if raw is not None:
@@ -106,8 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vs-raw", action="store_true")
     parser.add_argument("--progress", action="store_true")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--threads", default="1", help="torch threads per rank, or 'default' to leave torch's own count")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    if args.threads != "default":
+        torch.set_num_threads(int(args.threads))
     spmd.init(args.backend, timeout=120)
     try:
         results = run(args.backend, args.ops.split(","), [int(s) for s in args.sizes.split(",")], args.budget, args.vs_raw, args.progress)

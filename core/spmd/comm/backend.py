@@ -44,6 +44,7 @@ from spmd.comm import algorithms
 from spmd.comm.algorithms.channel import Channel
 from spmd.comm.buffers import BufferPool
 from spmd.comm.reduce_op import ReduceOp
+from spmd.comm.threads import one_torch_thread
 from spmd.comm.work import NativeWork, Work
 from spmd.specs import BackendContext
 from spmd.specs import BackendSpec as BackendSpec
@@ -181,7 +182,8 @@ class Backend(abc.ABC):
 
         def run() -> None:
             channel = Channel(self, tag, time.monotonic() + timeout, pool)
-            algorithm(channel, *args)
+            with one_torch_thread():  # its reductions and copies: see spmd.comm.threads
+                algorithm(channel, *args)
 
         return state["_spmd_runner"].submit(run)
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from spmd.comm.backend import BackendContext
+from spmd.comm.threads import one_torch_thread
 from spmd.errors import CollectiveError
 from spmd_shm import futex
 from spmd_shm.doorbell import LEAVING, Doorbells, fence
@@ -157,11 +158,13 @@ class Engine:
         return bool(self._collectives or self.rings.waiting or any(self._sends))
 
     def _body(self) -> None:
-        """One round of progress on everything; the caller holds ``self._lock``."""
+        """One round of progress on everything; the caller holds ``self._lock``. The copies and reductions
+        run on one torch thread: a parallel region's spinning threads would hold the core a peer needs."""
         try:
-            self._step()
-            if self.rings.waiting:
-                self.rings.check_recvs()
+            with one_torch_thread():
+                self._step()
+                if self.rings.waiting:
+                    self.rings.check_recvs()  # drains a sender's packets too
         except BaseException as error:  # noqa: BLE001 - a bug must not hang the ranks: fail everything
             self.fail_all(error)
         if self._abandoned and self.broken is None:

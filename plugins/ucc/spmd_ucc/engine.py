@@ -37,6 +37,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from spmd.comm.threads import one_torch_thread
 from spmd.errors import CollectiveError
 from spmd_ucc import probe
 
@@ -250,7 +251,15 @@ class Engine:
 
     # -- progress ------------------------------------------------------------------
     def _round(self) -> list[Pending]:
-        """One progress round (under ``_lock``): progress UCX, advance ops, return the finished."""
+        """One progress round (under ``_lock``): progress UCX, advance ops, return the finished.
+
+        The ops' reductions run on one torch thread (``one_torch_thread``): a parallel region's
+        spinning threads would hold the core the peer rank needs (a 256 KiB all_reduce: 77 us -> 6 ms).
+        """
+        with one_torch_thread():
+            return self._round_body()
+
+    def _round_body(self) -> list[Pending]:
         self.worker.progress()
         if self.sentinel_worker is not None:
             now = time.monotonic()

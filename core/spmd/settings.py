@@ -48,7 +48,7 @@ def _count(text: str) -> int:
 
 
 def _bytes_or_off(text: str) -> int | None:
-    if text.lower() in _FALSE:
+    if text.lower() == "off":  # ("0" is a size here: every all_reduce)
         return None
     return _count(text)
 
@@ -138,7 +138,7 @@ class Settings:
     watchdog_interval: float = 1.0
     desync_check: bool = False
     history_check: bool = True
-    hierarchical_min_bytes: int | None = 0
+    hierarchical_min_bytes: int | None = 64  # measured: benchmarks/hierarchical_across_hosts.py
     checkpoint_claim_ttl: float = 120.0
     socket_ifname: str | None = None
     rdzv_token: str | None = None

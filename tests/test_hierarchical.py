@@ -72,3 +72,12 @@ def test_a_rank_killed_inside_a_hierarchical_all_reduce_is_a_named_error_on_the_
             assert report["spmd_error"] and report["error"] in ("CollectiveError", "CollectiveTimeoutError"), (victim, report)
             assert report["elapsed"] < timeout + 2, (victim, report)
             assert report["after"] in ("CollectiveError", "CollectiveTimeoutError") and report["after_elapsed"] < 2, report
+
+
+def test_the_conformance_suite_passes_across_hosts_on_the_kernels_own_choice(spmd_hosts):
+    """spmd.init() with no backend: the world and the split groups across the nodes are hierarchical (every all_reduce
+    of 64 B or more), everything else Gloo's."""
+    from spmd.testing.conformance.suite import failures_across_hosts
+
+    failures = failures_across_hosts(spmd_hosts(2), None, env=run_env())
+    assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])

@@ -81,3 +81,13 @@ def test_the_conformance_suite_passes_across_hosts_on_the_kernels_own_choice(spm
 
     failures = failures_across_hosts(spmd_hosts(2), None, env=run_env())
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])
+
+
+def test_a_stalled_rank_is_a_timeout_on_the_others(spmd_hosts):
+    """The first survivor at its deadline raises the timeout (the hierarchy's step aborted); the others may learn
+    from the kernel that it gave up (a CollectiveError) or see their own step broken: all within the timeout + 2 s."""
+    timeout = 3.0
+    reports = on_two_nodes(spmd_hosts(2), "stall", str(timeout), "2")
+    errors = {reports[r].get("error") for r in (0, 1, 3)}
+    assert "CollectiveTimeoutError" in errors and errors <= {"CollectiveTimeoutError", "CollectiveError"}, reports
+    assert all(reports[r]["elapsed"] < timeout + 2 for r in (0, 1, 3)), reports

@@ -2,6 +2,7 @@
 
     python hierarchical.py check TIMEOUT        # sizes x dtypes x ops against the one-process result, async order
     python hierarchical.py kill TIMEOUT RANK     # RANK SIGKILLs itself inside an all_reduce; the others time their error
+    python hierarchical.py stall TIMEOUT RANK    # RANK arrives TIMEOUT + 3 s late; the others time their error
 
 Rank, world and the store come from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE. Prints one REPORT line (JSON).
 """
@@ -70,13 +71,16 @@ def check(rank: int, world: int) -> dict:
             "kind": type(backend).__name__, "describe": getattr(backend, "describe", lambda: "")()}
 
 
-def kill(rank: int, victim: int, timeout: float) -> dict:
+def fault(scenario: str, rank: int, victim: int, timeout: float) -> dict:
     t = torch.ones(1 << 18)
     for _ in range(3):
         spmd.all_reduce(t)
-    if rank == victim:
+    if rank == victim and scenario == "kill":
         spmd.all_reduce(torch.ones(1 << 18), async_op=True)
         os.kill(os.getpid(), signal.SIGKILL)
+    if rank == victim:  # stall: late for the op, then gone
+        time.sleep(timeout + 3)
+        os._exit(0)
     time.sleep(0.2)  # (the victim is gone before the others' next op)
     start = time.monotonic()
     report: dict = {}
@@ -101,7 +105,7 @@ def main() -> None:
     torch.set_num_threads(1)
     spmd.init(timeout=timeout)
     rank, world = spmd.get_rank(), spmd.get_world_size()
-    report = check(rank, world) if scenario == "check" else kill(rank, int(sys.argv[3]), timeout)
+    report = check(rank, world) if scenario == "check" else fault(scenario, rank, int(sys.argv[3]), timeout)
     print("REPORT " + json.dumps({"rank": rank, **report}), flush=True)
     if scenario == "check":
         spmd.destroy_process_group()

@@ -8,7 +8,8 @@ their own; needs root and iproute2), starts 4 ranks alternating over them and
 calls ``spmd.init()`` with no backend, so the world group is the kernel's own
 choice (``HierarchicalBackend``: shm inside each node, Gloo between them,
 ``SPMD_HIERARCHICAL_MIN_BYTES=0``). ``flat`` is a group of the same ranks made
-with ``backend="gloo"``. Calls alternate after a barrier; each call's time is
+with ``backend="gloo"``; ``hand`` the same three steps through explicit groups
+(shm per node, Gloo between the nodes' first ranks), without the composite. Calls alternate after a barrier; each call's time is
 its slowest rank's; every result is checked against the one-process sum.
 Prints the medians and hier/flat (the threshold goes where it crosses 1).
 """
@@ -38,7 +39,17 @@ def rank_main(sizes: list[int], iters: int) -> None:
     flat = spmd.new_group(list(range(world)), backend="gloo")
     spmd.all_reduce(torch.zeros(1))
     kind = type(get_state().world.backend("cpu")).__name__
-    sides = {"hier": lambda t: spmd.all_reduce(t), "flat": lambda t: spmd.all_reduce(t, group=flat)}
+    # the same steps by hand (as benchmarks/hierarchical_all_reduce.py makes them): what the composite's thread costs
+    host_groups = [spmd.new_group([r for r in range(world) if r % 2 == h], backend="shm") for h in (0, 1)]
+    local, leaders = host_groups[rank % 2], spmd.new_group([0, 1], backend="gloo")
+
+    def by_hand(t: torch.Tensor) -> None:
+        spmd.reduce(t, dst=rank % 2, group=local)
+        if rank < 2:
+            spmd.all_reduce(t, group=leaders)
+        spmd.broadcast(t, src=rank % 2, group=local)
+
+    sides = {"hier": lambda t: spmd.all_reduce(t), "flat": lambda t: spmd.all_reduce(t, group=flat), "hand": by_hand}
     expected = float(sum(r + 1 for r in range(world)))
     rows = []
     for nbytes in sizes:
@@ -66,9 +77,10 @@ def rank_main(sizes: list[int], iters: int) -> None:
         rows.append((nbytes, med))
     if rank == 0:
         print(f"all_reduce, {world} ranks on 2 nodes x {world // 2} (world group: {kind}; medians in us, slowest rank per call)")
-        print(f"{'size':>9} | {'hier':>9} {'flat':>9} | {'hier/flat':>9}")
+        print(f"{'size':>9} | {'hier':>9} {'flat':>9} {'hand':>9} | {'hier/flat':>9} {'hier/hand':>9}")
         for nbytes, med in rows:
-            print(f"{human(nbytes):>9} | {med['hier']:9.1f} {med['flat']:9.1f} | {med['hier'] / med['flat']:9.2f}")
+            print(f"{human(nbytes):>9} | {med['hier']:9.1f} {med['flat']:9.1f} {med['hand']:9.1f} | "
+                  f"{med['hier'] / med['flat']:9.2f} {med['hier'] / med['hand']:9.2f}")
     sys.stdout.flush()
     spmd.destroy_process_group()
 

@@ -35,6 +35,20 @@ def test_a_one_host_backend_comes_first_only_for_a_group_on_one_host():
     assert backends().for_device("cpu", lambda: False).spec.name == "shm"
     assert backends().for_device("cpu", spans).spec.name == "gloo" and asked == [1]
     assert backends().get("shm").spec.one_host and not backends().get("gloo").spec.one_host
+    # the choice also names what it passed over (the hierarchical all_reduce's part inside each host)
+    across, one_host = backends().choose("cpu", lambda: True), backends().choose("cpu", lambda: False)
+    assert (across.entry.spec.name, across.passed_over.spec.name) == ("gloo", "shm")
+    assert (one_host.entry.spec.name, one_host.passed_over) == ("shm", None)
+
+
+def test_doctor_says_when_an_all_reduce_across_hosts_is_hierarchical():
+    out = subprocess.run([sys.executable, "-m", "spmd", "doctor"], capture_output=True, text=True, timeout=60,
+                         env=clean_env(SPMD_HIERARCHICAL_MIN_BYTES="4096"))
+    assert ("where a host holds 2+ of such a group's ranks, its all_reduce of 4096 B and more is hierarchical: "
+            "shm inside each host, gloo between hosts") in out.stdout, out.stdout
+    out = subprocess.run([sys.executable, "-m", "spmd", "doctor"], capture_output=True, text=True, timeout=60,
+                         env=clean_env(SPMD_HIERARCHICAL_MIN_BYTES="off"))
+    assert "default for cpu: shm for a group" in out.stdout and "hierarchical" not in out.stdout, out.stdout
 
 
 def test_host_identities_are_read_once_and_a_rank_that_never_said_is_named():

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from spmd import hookspecs
+from spmd import hookspecs, settings
 from spmd.errors import SpmdError
 from spmd.plugins import manager
 
@@ -123,9 +123,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for device in backends().device_types():
         try:
             chosen = backends().for_device(device).spec.name
-            across = backends().for_device(device, lambda: True).spec.name
+            spanning = backends().choose(device, lambda: True)
+            across = spanning.entry.spec.name
             if across != chosen:
                 chosen += f" for a group whose ranks share one host (asked through the job's store), else {across}"
+            min_bytes = settings.current().hierarchical_min_bytes
+            if spanning.passed_over is not None and min_bytes is not None:
+                chosen += (f"; where a host holds 2+ of such a group's ranks, its all_reduce of {min_bytes} B and more is "
+                           f"hierarchical: {spanning.passed_over.spec.name} inside each host, {across} between hosts "
+                           "(SPMD_HIERARCHICAL_MIN_BYTES)")
         except Exception as error:  # noqa: BLE001 - reported
             chosen = f"none ({error})"
         usable = sorted(

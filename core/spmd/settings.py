@@ -47,6 +47,12 @@ def _count(text: str) -> int:
     return value
 
 
+def _bytes_or_off(text: str) -> int | None:
+    if text.lower() == "off":  # ("0" is a size here: every all_reduce)
+        return None
+    return _count(text)
+
+
 def _names(text: str) -> frozenset[str]:
     return frozenset(n.strip() for n in text.split(",") if n.strip())
 
@@ -85,6 +91,9 @@ SETTINGS: tuple[Setting, ...] = (
             "compare op, shapes, dtypes and reduce op across ranks before each collective (costs a store round trip)"),
     Setting("SPMD_HISTORY_CHECK", "history_check", _flag, _FLAG,
             "keep each group's recent calls for the always-on mismatch check (read at import)"),
+    Setting("SPMD_HIERARCHICAL_MIN_BYTES", "hierarchical_min_bytes", _bytes_or_off, "a whole number of bytes, 0 or more, or off",
+            "the kernel's choice for a group across hosts with 2+ ranks on a host: all_reduce of at least this many bytes "
+            "runs shm inside each host and the network between hosts (off: every op over the network backend alone)"),
     Setting("SPMD_CHECKPOINT_CLAIM_TTL", "checkpoint_claim_ttl", _positive, _SECONDS,
             "seconds without a heartbeat after which a save claim held from another machine is taken over"),
     Setting("SPMD_SOCKET_IFNAME", "socket_ifname", str, "a network interface name, e.g. eth0",
@@ -129,6 +138,7 @@ class Settings:
     watchdog_interval: float = 1.0
     desync_check: bool = False
     history_check: bool = True
+    hierarchical_min_bytes: int | None = 64  # measured: benchmarks/hierarchical_across_hosts.py
     checkpoint_claim_ttl: float = 120.0
     socket_ifname: str | None = None
     rdzv_token: str | None = None

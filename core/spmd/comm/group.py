@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from spmd.comm import hosts
+from spmd import settings
+from spmd.comm import hierarchical, hosts
 from spmd.comm.backend import Backend, BackendContext
 from spmd.comm.failures import explain_failure
 from spmd.comm.registry import backends
@@ -90,6 +91,8 @@ class ProcessGroup:
         self.unusable: str | None = None
         #: Device type -> the backend the kernel chose for it (no ``backend_map``), once asked.
         self._chosen: dict[str, str] = {}
+        #: Device type -> the one-host backend that choice passed over because the group spans hosts (or None).
+        self._passed_over: dict[str, str | None] = {}
         #: What this rank's threads wait on synchronously right now (a backend's NativeWork, or a
         #: Work): given up with the group (``fail_pending``), so such a wait ends too.
         self.blocked: set[Any] = set()
@@ -117,7 +120,9 @@ class ProcessGroup:
             chosen = self._chosen.get(device_type)
             if chosen is None:
                 spans = lambda: hosts.spans_hosts(self.root_store, self.ranks, self.timeout_s)  # noqa: E731
-                chosen = self._chosen[device_type] = backends().for_device(device_type, spans).spec.name
+                choice = backends().choose(device_type, spans)
+                self._passed_over[device_type] = choice.passed_over.spec.name if choice.passed_over else None
+                chosen = self._chosen[device_type] = choice.entry.spec.name
             return chosen
         name = self.backend_map.get(device_type)
         if name is None:
@@ -286,26 +291,76 @@ class ProcessGroup:
         self.store.set(self._arrival_key(device_type, self.rank), op or "point-to-point")
         if op is not None:
             self._await_members(device_type, spec.name, op, timeout)
-        backend = None
+        backend = self._hierarchical(entry, ctx)
         same_backend = self.parent is not None and self.parent.backend_name(device_type) == spec.name
-        if self.parent is not None and device_type in self.parent._backends and same_backend:
+        if backend is None and self.parent is not None and device_type in self.parent._backends and same_backend:
             parent_backend = self.parent._backends[device_type]
             local = [self.parent.group_rank(r) for r in self.ranks]
             backend = parent_backend.split(local, ctx)
         if backend is None:
-            try:
-                built = spec.factory(ctx)
-            except Exception as error:
-                raise self._creation_error(spec.name, entry.plugin, device_type, error) from error
-            if not isinstance(built, Backend):
-                raise PluginSpecError(
-                    f"backend {spec.name!r} (plugin {entry.plugin!r}): its factory returned {type(built).__name__}, "
-                    "not a spmd.Backend; a factory must build an instance of a spmd.comm.backend.Backend subclass"
-                )
-            backend = built
-        if not hasattr(backend, "ctx"):
-            backend.ctx = ctx  # a third-party backend that skipped super().__init__
+            backend = self._build(entry, ctx)
         return backend
+
+    def _build(self, entry: Any, ctx: BackendContext) -> Backend:
+        """``entry``'s backend for ``ctx``, built by its factory (a failure is a named spmd error)."""
+        spec = entry.spec
+        try:
+            built = spec.factory(ctx)
+        except Exception as error:
+            raise self._creation_error(spec.name, entry.plugin, ctx.device_type, error) from error
+        if not isinstance(built, Backend):
+            raise PluginSpecError(
+                f"backend {spec.name!r} (plugin {entry.plugin!r}): its factory returned {type(built).__name__}, "
+                "not a spmd.Backend; a factory must build an instance of a spmd.comm.backend.Backend subclass"
+            )
+        if not hasattr(built, "ctx"):
+            built.ctx = ctx  # a third-party backend that skipped super().__init__
+        return built
+
+    def _hierarchical(self, entry: Any, ctx: BackendContext) -> Backend | None:
+        """The kernel's choice for a group across hosts that passed a one-host backend over, where a host holds
+        2+ of its ranks: a ``HierarchicalBackend`` (``spmd.comm.hierarchical``); else None."""
+        local_name = self._passed_over.get(ctx.device_type) if self.backend_map is None else None
+        min_bytes = settings.current().hierarchical_min_bytes
+        if local_name is None or min_bytes is None:
+            return None
+        layout = hierarchical.host_layout(hosts.identities(self.root_store, self.ranks, self.timeout_s))
+        if len(layout) < 2 or max(len(h) for h in layout) < 2:
+            return None
+        local_entry = backends().get(local_name)
+        mine = next(i for i, members in enumerate(layout) if self.rank in members)
+        leaders = [members[0] for members in layout]
+        flat = self._build(entry, ctx)
+        local = leader = None
+        try:
+            if len(layout[mine]) > 1:
+                local_ctx = self._part_ctx(ctx, f"local{mine}", layout[mine])
+                problem = local_entry.spec.precheck(local_ctx) if local_entry.spec.precheck is not None else None
+                if problem is not None:
+                    raise BackendUnavailableError(f"backend {local_name!r} (plugin {local_entry.plugin!r}) cannot serve "
+                                                  f"host {mine} of group {self.name!r}: {problem}")
+                local = self._build(local_entry, local_ctx)
+            if self.rank in leaders:
+                leader = self._build(entry, self._part_ctx(ctx, "leaders", leaders))
+        except BaseException:
+            for part in (flat, local):
+                if part is not None:
+                    part.close()
+            raise
+        return hierarchical.HierarchicalBackend(ctx, flat, local, leader, layout, min_bytes, (entry.spec.name, local_name))
+
+    def _part_ctx(self, ctx: BackendContext, part: str, members: Sequence[int]) -> BackendContext:
+        """The context of one part of a hierarchical backend: the group-local ``members``, under their own store prefix."""
+        return BackendContext(
+            rank=list(members).index(self.rank),
+            size=len(members),
+            store=tdist.PrefixStore(f"{ctx.device_type}/hier/{part}/", self.store),
+            timeout=self.timeout,
+            group_name=f"{self.name}.{part}",
+            options=self.options,
+            device_type=ctx.device_type,
+            global_ranks=tuple(self.ranks[r] for r in members),
+        )
 
     def _creation_error(self, name: str, plugin: str, device_type: str, error: Exception) -> Exception:
         text = str(error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from spmd import hookspecs
 from spmd.comm.backend import BackendSpec
@@ -33,6 +34,14 @@ BACKENDS: Registry[str, BackendSpec] = Registry(
     hookspecs.spmd_backends, "backend", BackendSpec, missing=BackendNotFoundError, listed="installed", hint=_install_hint)
 
 
+class Choice(NamedTuple):
+    """The kernel's own choice of a backend for one group and device type."""
+
+    entry: RegisteredBackend
+    #: The ``one_host`` backend ranked above ``entry`` that was passed over because the group spans hosts.
+    passed_over: RegisteredBackend | None = None
+
+
 class BackendRegistry:
     """Name -> backend over ``BACKENDS``, with the choice of a backend per device type."""
 
@@ -58,17 +67,24 @@ class BackendRegistry:
         ``spans_hosts()`` tells whether the group runs on several hosts; it is
         asked only when a ``one_host`` backend comes first (None: one host).
         """
+        return self.choose(device_type, spans_hosts).entry
+
+    def choose(self, device_type: str, spans_hosts: Callable[[], bool] | None = None) -> Choice:
+        """``for_device``'s pick, with the ``one_host`` backend it passed over because the group spans hosts
+        (which a hierarchical all_reduce may still use inside each host, see ``spmd.comm.hierarchical``)."""
         candidates = sorted(
             (e for e in self._entries.values() if device_type in e.spec.devices),
             key=lambda e: (-e.spec.priority, e.spec.name),
         )
         reasons = []
+        passed_over: RegisteredBackend | None = None
         for entry in candidates:
             reason = entry.spec.unavailable_reason()
             if reason is None and entry.spec.one_host and spans_hosts is not None and spans_hosts():
                 reason = "it serves only groups whose ranks share one host, and this group spans several"
+                passed_over = passed_over or entry
             if reason is None:
-                return entry
+                return Choice(entry, passed_over)
             reasons.append(f"{entry.spec.name}: {reason}")
         detail = "; ".join(reasons) if reasons else f"no installed backend supports {device_type!r}"
         raise BackendUnavailableError(

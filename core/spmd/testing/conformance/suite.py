@@ -111,9 +111,9 @@ class BackendConformance:
         assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:40])
 
 
-def failures_across_hosts(hosts: Any, backend: str, env: dict[str, str] | None = None) -> list[str]:
+def failures_across_hosts(hosts: Any, backend: str | None, env: dict[str, str] | None = None) -> list[str]:
     """Every op of the suite on 4 ranks spread over 2 test-bed nodes (``spmd.testing.hosts``; ranks alternate), plus
-    split groups: one line per failing case (empty when the backend passes)."""
+    split groups: one line per failing case (empty when the backend passes). ``backend`` None: the kernel's own choice."""
     world = World(4, backend, host=hosts.attach_here(), rank_prefix=lambda rank: hosts.nodes[rank % 2].command([]), env=env)
     try:
         return [f"{op}/{shape} rank {rank}: {failure}"

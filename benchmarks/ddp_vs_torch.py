@@ -92,7 +92,7 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timedelta(seconds=60))
-    spmd.init("gloo", store=store, rank=rank, world_size=world, timeout=300, torch_interop=False)  # torch runs on Gloo here
+    spmd.init(args.backend, store=store, rank=rank, world_size=world, timeout=300, torch_interop=False)  # torch runs on Gloo here
     tdist.init_process_group("gloo", store=tdist.PrefixStore("torch/", store), rank=rank, world_size=world,
                              timeout=timedelta(seconds=300))
     barrier = lambda: tdist.barrier()  # noqa: E731 - one barrier for every side
@@ -169,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def report(r: dict, args: argparse.Namespace) -> None:
     ms = lambda s: f"{s * 1e3:9.1f}"  # noqa: E731
-    print(f"{r['params'] / 1e6:.1f} M parameters, {r['buckets']} spmd buckets (bucket_cap_mb={args.bucket_cap_mb}), "
+    print(f"spmd on {args.backend}, torch on gloo: {r['params'] / 1e6:.1f} M parameters, {r['buckets']} spmd buckets (bucket_cap_mb={args.bucket_cap_mb}), "
           f"batch {args.batch}, {args.rounds} rounds; median step time (zero_grad+fwd+bwd+SGD)")
     print(f"{'side':12s} {'step ms':>9s} {'fwd+bwd ms':>11s} {'comm ms':>9s} {'exposed ms':>11s} {'hidden':>7s}")
     for name, step in r["median_step_s"].items():
@@ -190,6 +190,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--rounds", type=int, default=20, help="steps per side; the median is reported")
+    parser.add_argument("--backend", default="gloo", help="spmd's backend (torch's DDP stays on Gloo): gloo compares the "
+                        "frameworks on one transport; shm, spmd's default on one host, what a user gets by default")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile extra spmd steps on rank 0")
     parser.add_argument("--profile-steps", type=int, default=10)

@@ -94,7 +94,7 @@ class Rings:
         lay, mm, seg = self.lay, self.seg.mm, self.seg.bytes
         total, sent, first = data.numel(), 0, True
         consumed, k_max = self.out_consumed[dst], lay.packets
-        what = f"send to {self.peers.names([dst])} (tag {tag}, {total} bytes)"
+        what = f"send to {self.peers.label[dst]} (tag {tag}, {total} bytes)"
         while first or sent < total:
             first = False
             yield from self.peers.wait_for(work, lambda: [dst] if self.sent[dst] - consumed.value >= k_max else [], what)
@@ -168,7 +168,7 @@ class Rings:
         self.waiting = pending
         for recv in pending:
             src = recv.src
-            what = f"recv from {self.peers.names([src])} (tag {recv.tag})"
+            what = f"recv from {self.peers.label[src]} (tag {recv.tag})"
             try:
                 self.peers.check(recv.work, self._missing(recv), what)
             except BaseException as error:  # noqa: BLE001 - delivered to the waiter

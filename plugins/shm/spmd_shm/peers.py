@@ -60,11 +60,15 @@ class Peers:
         self.state = [segment.i64(lay.ctrl_at(r, STATE)) for r in range(self.n)]
         self.pid = [segment.i64(lay.ctrl_at(r, PID)) for r in range(self.n)]
         self._next_liveness = 0.0
+        #: Global ranks, where they differ from the group's (for error messages).
+        self._global = list(ctx.global_ranks) if ctx.global_ranks and list(ctx.global_ranks) != list(range(self.n)) else None
+        #: ``names([q])`` of every rank q, made once: the ops' descriptions use them on every call.
+        self.label = [self.names([q]) for q in range(self.n)]
 
     def names(self, ranks: list[int]) -> str:
         """``ranks`` (group ranks) for an error message, with their global ranks when those differ."""
-        if self.ctx.global_ranks and list(self.ctx.global_ranks) != list(range(self.n)):
-            return f"group ranks {ranks} (global ranks {[self.ctx.global_ranks[r] for r in ranks]})"
+        if self._global is not None:
+            return f"group ranks {ranks} (global ranks {[self._global[r] for r in ranks]})"
         return f"ranks {ranks}"
 
     def check(self, work: ShmWork, missing_fn: Callable[[], list[int]], what: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -64,27 +65,27 @@ class Layout:
     def ctrl(self) -> int:
         return 0
 
-    @property
+    @functools.cached_property
     def slots(self) -> int:
         return _round_up(self.size * _CTRL_BYTES)
 
-    @property
+    @functools.cached_property
     def slot_stride(self) -> int:
         return _round_up(_ALIGN + self.slot_bytes)  # a header line (bytes written) + the data
 
-    @property
+    @functools.cached_property
     def pairs(self) -> int:
         return self.slots + 2 * self.size * self.slot_stride
 
-    @property
+    @functools.cached_property
     def packet_stride(self) -> int:
         return _round_up(PACKET_HEADER + self.packet_bytes)
 
-    @property
+    @functools.cached_property
     def pair_stride(self) -> int:
         return _PAIR_CTRL + self.packets * self.packet_stride
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
         return self.pairs + self.size * self.size * self.pair_stride
 

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 from spmd.bench.ops import elements
 from spmd.bench.report import human
+from spmd.bench.sides import all_reduce_sides
 
 
 def rank_main(sizes: list[int], iters: int) -> None:
@@ -50,30 +49,11 @@ def rank_main(sizes: list[int], iters: int) -> None:
         spmd.broadcast(t, src=rank % 2, group=local)
 
     sides = {"hier": lambda t: spmd.all_reduce(t), "flat": lambda t: spmd.all_reduce(t, group=flat), "hand": by_hand}
-    expected = float(sum(r + 1 for r in range(world)))
     rows = []
     for nbytes in sizes:
-        n = elements(nbytes)
         count = iters or max(20, min(300, int(2e8 // max(nbytes, 1) // 1000)))
-        times: dict[str, list[float]] = {name: [] for name in sides}
-        names = list(sides)
-        for i in range(count + 3):
-            for k in range(len(names)):
-                name = names[(i + k) % len(names)]
-                t = torch.full((n,), float(rank + 1))
-                spmd.barrier(group=flat)
-                start = time.perf_counter()
-                sides[name](t)
-                elapsed = time.perf_counter() - start
-                if t[0].item() != expected or t[-1].item() != expected:
-                    raise SystemExit(f"{name} at {nbytes} B: got {t[0].item()}, expected {expected}")
-                if i >= 3:
-                    times[name].append(elapsed)
-        med = {}
-        for name, ts in times.items():
-            mine = torch.tensor(ts, dtype=torch.float64)
-            spmd.all_reduce(mine, op=spmd.ReduceOp.MAX, group=flat)
-            med[name] = statistics.median(mine.tolist()) * 1e6
+        med = all_reduce_sides(sides, elements(nbytes), count, lambda: spmd.barrier(group=flat),
+                               lambda t: spmd.all_reduce(t, op=spmd.ReduceOp.MAX, group=flat))
         rows.append((nbytes, med))
     if rank == 0:
         print(f"all_reduce, {world} ranks on 2 nodes x {world // 2} (world group: {kind}; medians in us, slowest rank per call)")

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as tdist
@@ -30,6 +28,7 @@ import torch.distributed as tdist
 from spmd.bench.launch import run_as_ranks
 from spmd.bench.ops import elements
 from spmd.bench.report import human
+from spmd.bench.sides import all_reduce_sides
 
 
 def parse() -> argparse.Namespace:
@@ -68,31 +67,11 @@ def main(args: argparse.Namespace) -> None:
         "flat": lambda t: spmd.all_reduce(t, group=flat),
         "torch": lambda t: tdist.all_reduce(t, group=torch_gloo),
     }
-    expected_total = float(sum(r + 1 for r in range(world)))
     rows = []
-    for nbytes in (int(s) for s in args.sizes.split(",")):
-        n = elements(nbytes)
+    for nbytes in (int(x) for x in args.sizes.split(",")):
         iters = args.iters or max(20, min(400, int(2e8 // max(nbytes, 1) // 1000)))
-        times: dict[str, list[float]] = {name: [] for name in sides}
-        names = list(sides)
-        for i in range(iters + 3):
-            for k in range(len(names)):
-                name = names[(i + k) % len(names)]
-                t = torch.full((n,), float(rank + 1))
-                spmd.barrier()  # (the world's Gloo: the call follows other work, every rank at the start line)
-                start = time.perf_counter()
-                sides[name](t)
-                elapsed = time.perf_counter() - start
-                if t[0].item() != expected_total or t[-1].item() != expected_total:
-                    raise SystemExit(f"{name} at {nbytes} B: got {t[0].item()}, expected {expected_total}")
-                if i >= 3:
-                    times[name].append(elapsed)
-        # each call's time is its slowest rank's: gather them
-        med = {}
-        for name, ts in times.items():
-            mine = torch.tensor(ts, dtype=torch.float64)
-            spmd.all_reduce(mine, op=spmd.ReduceOp.MAX)
-            med[name] = statistics.median(mine.tolist()) * 1e6
+        med = all_reduce_sides(sides, elements(nbytes), iters, spmd.barrier,
+                               lambda t: spmd.all_reduce(t, op=spmd.ReduceOp.MAX))
         rows.append((nbytes, med))
     if rank == 0:
         print(f"all_reduce, {world} ranks as {world // per} hosts x {per} (medians in us; slowest rank per call)")

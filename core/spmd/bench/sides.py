@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from typing import Any
 
 
 def init_both(backend: str | None, torch_backend: str, timeout_s: float = 300.0) -> tuple[int, int]:
@@ -52,6 +53,39 @@ def alternate(steps: Mapping[str, Callable[[], object]], rounds: int, barrier: C
             steps[name]()
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def all_reduce_sides(sides: Mapping[str, Callable[[Any], object]], numel: int, iters: int, barrier: Callable[[], object],
+                     slowest: Callable[[Any], object], warmup: int = 3) -> dict[str, float]:
+    """Each side's median microseconds for an all_reduce of ``numel`` float32 elements, alternated call by call
+    after ``barrier()``; every result checked against the one-process sum (rank r holds r + 1); each call's time
+    is its slowest rank's (``slowest`` MAX-reduces a float64 tensor across the ranks)."""
+    import torch
+
+    import spmd
+
+    rank, world = spmd.get_rank(), spmd.get_world_size()
+    expected = float(world * (world + 1) // 2)
+    names = list(sides)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(iters + warmup):
+        for k in range(len(names)):
+            name = names[(i + k) % len(names)]
+            t = torch.full((numel,), float(rank + 1))
+            barrier()
+            start = time.perf_counter()
+            sides[name](t)
+            elapsed = time.perf_counter() - start
+            if t[0].item() != expected or t[-1].item() != expected:
+                raise SystemExit(f"{name} at {numel} elements: got {t[0].item()}, expected {expected}")
+            if i >= warmup:
+                times[name].append(elapsed)
+    medians = {}
+    for name, ts in times.items():
+        mine = torch.tensor(ts, dtype=torch.float64)
+        slowest(mine)
+        medians[name] = statistics.median(mine.tolist()) * 1e6
+    return medians
 
 
 def summary(times: Mapping[str, list[float]], ours: str = "spmd", theirs: str = "torch") -> tuple[dict[str, float], float, float]:

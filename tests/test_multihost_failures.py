@@ -78,13 +78,15 @@ def printing(outputs: list[Output], step: int, timeout: float = 120) -> int:
     raise AssertionError(f"no agent printed step {step} within {timeout} s:\n" + "\n".join(o.text()[-1500:] for o in outputs))
 
 
-def start(hosts, tmp_path: Path, endpoint: str, *flags: str, train: tuple[str, ...] = ()) -> list[Output]:
-    """`spmd run --nproc-per-node 1` of examples/train.py on each node, meeting at ``endpoint``; the outputs followed."""
+def start(hosts, tmp_path: Path, endpoint: str, *flags: str, train: tuple[str, ...] = (), ranked: bool = False) -> list[Output]:
+    """`spmd run --nproc-per-node 1` of examples/train.py on each node, meeting at ``endpoint``; the outputs followed.
+    ``ranked``: node i asks for node rank i (else the rendezvous numbers the nodes in the order they arrive)."""
     env = run_env() | {"SPMD_TIMEOUT": str(TIMEOUT_S)}
     agents = []
-    for node in hosts.nodes:
+    for i, node in enumerate(hosts.nodes):
         argv = [*SPMD, "run", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "fail", "--rdzv-timeout", "30",
-                "--stop-grace", "1", *flags, str(EXAMPLES / "train.py"), "--steps", "100000", *TRAIN, *train]
+                "--stop-grace", "1", *(["--node-rank", str(i)] if ranked else []), *flags, str(EXAMPLES / "train.py"),
+                "--steps", "100000", *TRAIN, *train]
         agents.append(Output(node.popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)).follow())
     return agents
 
@@ -102,16 +104,16 @@ def test_a_node_that_dies_is_named_on_the_other_within_the_timeout(spmd_hosts, t
     """Node 1's power is pulled mid-training: node 0's rank raises a CollectiveError naming the op, the group and
     rank 1 as likely dead, and node 0's agent ends within the timeout and 2 s naming node 1 and the ranks lost."""
     hosts = spmd_hosts(2)
-    node0, node1 = hosts.nodes
-    out0, _ = start(hosts, tmp_path, f"{node0.address}:{free_port()}", "--nnodes", "2")
+    node0, victim = hosts.nodes
+    out0, _ = start(hosts, tmp_path, f"{node0.address}:{free_port()}", "--nnodes", "2", ranked=True)
     out0.reached(3)
-    hosts.kill(node1)
+    hosts.kill(victim)
     killed = time.monotonic()
     took = ended_within(out0, killed, TIMEOUT_S + 2)
     err = out0.text("err")
     assert out0.agent.returncode != 0, err[-3000:]
     assert "CollectiveError: all_reduce on group 'world'" in err and "rank 1:" in err and "likely dead" in err, err[-3000:]
-    assert f"node 1 ({node1.address}) is gone: its agent stopped beating" in err and "ranks 1..1 are lost" in err, err[-3000:]
+    assert f"node 1 ({victim.address}) is gone: its agent stopped beating" in err and "ranks 1..1 are lost" in err, err[-3000:]
     assert took < TIMEOUT_S + 2, (took, err[-3000:])
 
 
@@ -119,9 +121,9 @@ def test_the_store_hosts_node_gone_is_named_on_the_other_fast(spmd_hosts, tmp_pa
     """Node 0 hosts the agents' store (the c10d rendezvous); its power is pulled. Node 1's agent says it lost
     the store on node 0 and ends, its rank with it, well within the timeout."""
     hosts = spmd_hosts(2)
-    node0, node1 = hosts.nodes
+    node0 = hosts.nodes[0]
     endpoint = f"{node0.address}:{free_port()}"
-    out0, out1 = start(hosts, tmp_path, endpoint, "--nnodes", "2")
+    out0, out1 = start(hosts, tmp_path, endpoint, "--nnodes", "2", ranked=True)
     out0.reached(3)
     hosts.kill(node0)
     killed = time.monotonic()

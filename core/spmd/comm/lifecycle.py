@@ -17,7 +17,7 @@ from spmd.comm import deferral
 from spmd.comm.backend import Backend
 from spmd.comm.group import ProcessGroup
 from spmd.comm.health import desync
-from spmd.comm.health.watchdog import adopt_announcements
+from spmd.comm.health.watchdog import adopt_announcements, diagnose
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import NativeWork, NativeWorkAdapter, Timeout, Work, seconds
 from spmd.debug.recorder import Entry, recorder, shapes_and_dtypes
@@ -46,7 +46,7 @@ class Unagreed:
             desync.compare(group, entry, self.root, self.splits, limit)
         except CollectiveDesyncError as error:
             _break_on_disagreement(group, entry, error)
-            raise
+            raise _diagnosed(group, entry, error) from None
         except CollectiveTimeoutError as error:  # the op finished here (a root's send); a peer never called it
             group.mark_unusable(f"{entry.op} #{entry.seq} was never called by every rank ({str(error).splitlines()[0]}); "
                                 "destroy it and create a new group, or restart the job")
@@ -148,6 +148,15 @@ def begin_sized(
     return (op, shapes, dtypes, reduce_op), backend  # begin's common case, without its frame
 
 
+def _diagnosed(group: ProcessGroup, entry: Entry, error: CollectiveDesyncError) -> CollectiveDesyncError:
+    """``error`` as it stands when every rank's call was compared (it names them all); when another check found
+    the disagreement first (``found_elsewhere``: the peers may be stuck inside the backend), with the watchdog's
+    diagnosis and every rank's flight recorder dumped, as a failed op's error has."""
+    if not getattr(error, "found_elsewhere", False):
+        return error
+    return CollectiveDesyncError(f"{error}{diagnose(group, entry, 'failed')}")
+
+
 def _break_on_disagreement(group: ProcessGroup, entry: Entry, error: CollectiveDesyncError) -> None:
     """As the always-on check would a moment later, but at once, on every rank: the group is given up."""
     calls = "; ".join(line.strip() for line in str(error).splitlines()[1:1 + group.size])
@@ -197,11 +206,12 @@ def _check_first_call(group: ProcessGroup, entry: Entry, root: int | None, split
     limit = group.timeout_s if timeout is None else seconds(timeout)
     try:
         desync.check(group, entry, root, splits, limit)
-    except CollectiveDesyncError as error:
+    except CollectiveDesyncError as found:
+        error = _diagnosed(group, entry, found)
         entry.finish(error)
-        _break_on_disagreement(group, entry, error)
+        _break_on_disagreement(group, entry, found)
         if not async_op:
-            raise
+            raise error from None
         refused = _failed_call(group, entry, limit)
         refused._finish(None, error)  # (an async call's failure is its Work's, as on every backend)
         return refused

@@ -34,14 +34,15 @@ def test_plugin_is_installed_with_every_collective_native():
     assert info.distribution == "spmd-mpi" and info.loaded
     spec = backends().get("mpi").spec
     assert spec.devices == ("cpu",)
-    assert spec.priority < backends().get("gloo").spec.priority  # Gloo is the CPU default outside mpiexec
+    # outside mpiexec the CPU default is spmd-shm on one host, Gloo across hosts: both rank above MPI there
+    assert spec.priority < backends().get("gloo").spec.priority < backends().get("shm").spec.priority
     assert spec.native_ops() == frozenset(COLLECTIVE_OPS)
 
 
 def test_mpi_is_the_default_only_under_mpiexec():
-    """One rule (the highest-priority usable backend) gives Gloo in a plain process and MPI under mpiexec."""
+    """One rule (the highest-priority usable backend) gives shm (one host) in a plain process and MPI under mpiexec."""
     code = "from spmd.comm.registry import backends; print('DEFAULT', backends().for_device('cpu').spec.name)"
-    assert "DEFAULT gloo" in _run(code).stdout
+    assert "DEFAULT shm" in _run(code).stdout
     assert "DEFAULT mpi" in _run(code, env={"PMI_RANK": "0", "PMI_SIZE": "1"}).stdout
 
 
@@ -81,7 +82,7 @@ def test_doctor_says_what_to_install_without_mpi4py():
     line = next(line for line in doctor.splitlines() if "mpi [cpu]" in line)
     assert "NOT usable" in line and "mpi4py" in line
     assert "pip install 'spmd-mpi[mpich]'" in line and "pip install -e 'plugins/mpi[mpich]'" in line
-    assert "default for cpu: gloo" in doctor
+    assert "default for cpu: shm for a group whose ranks share one host" in doctor and "else gloo" in doctor
     plugins = _run(block + "from spmd.cli import main; main(['plugins'])").stdout
     assert "mpi  [plugin] spmd-mpi 0.1.0  loaded" in plugins
     init = _run(
@@ -116,7 +117,8 @@ def test_available_only_where_mpi_can_run_the_job(monkeypatch, env, usable):
         assert reason is None  # which backend is the default: test_mpi_is_the_default_only_under_mpiexec
     else:
         assert reason is not None and "mpiexec -n N" in reason
-        assert backends().for_device("cpu").spec.name == "gloo"  # spmd.init() falls back
+        assert backends().for_device("cpu").spec.name == "shm"  # spmd.init() falls back (one host)
+        assert backends().for_device("cpu", lambda: True).spec.name == "gloo"  # (a group across hosts)
 
 
 # -- launchers ---------------------------------------------------------------------------

@@ -75,7 +75,9 @@ def compare(
         if group.unusable is None:
             return
         if group.disagreed_at == entry.seq:  # (the always-on check, or a peer, found this very call's disagreement first)
-            raise CollectiveDesyncError(f"{group.describe(entry.op, entry.seq)}: the ranks' calls disagree: {group.unusable}")
+            found = CollectiveDesyncError(f"{group.describe(entry.op, entry.seq)}: the ranks' calls disagree: {group.unusable}")
+            found.found_elsewhere = True  # type: ignore[attr-defined]  # (the caller adds the diagnosis and the dumps)
+            raise found
         raise CollectiveError(f"{group.describe(entry.op, entry.seq)}: stopped waiting for the other ranks' calls: "
                                   f"the group cannot be used: {group.unusable}")
 

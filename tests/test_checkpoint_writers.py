@@ -245,3 +245,25 @@ def test_a_commit_is_reported_on_every_rank_when_rank_0_dies_right_after_it(tmp_
     assert code1 == 0 and "1 committed" in out1, err1[-3000:]
     assert "rank 0's commit is there: the save is complete" in err1
     assert h.same_state(h.load_writer_state(path), h.writer_state(1))
+
+
+@pytest.mark.parametrize(("attempt", "taken"), [(1, True), (0, False)])
+def test_a_claim_left_by_an_earlier_attempt_of_the_same_job_is_taken_over_at_once(tmp_path, spmd_setenv, attempt, taken):
+    """A node that died mid-save left a live-looking claim (another host: its pid cannot be checked; a fresh
+    heartbeat). The restarted job (a later attempt of the same run id) saving that id takes it over at once; a
+    save of the same attempt (or of another job) still waits for the TTL."""
+    from spmd.checkpoint.claim import Holder
+
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    now = time.time()
+    left = Holder("t0", "job-7", "other-host/boot/pid:[1]", 4242, "", now, now, "", 0)
+    (path / CLAIM_FILE).write_bytes(left.to_json())
+    spmd_setenv("SPMD_RUN_ID", "job-7")
+    spmd_setenv("SPMD_RESTART_COUNT", str(attempt))
+    if taken:
+        dcp.save(h.writer_state(1), checkpoint_id=str(path))
+        assert h.same_state(h.load_writer_state(str(path)), h.writer_state(1))
+    else:
+        with pytest.raises(dcp.CheckpointInUseError, match="job job-7, host other-host"):
+            dcp.save(h.writer_state(1), checkpoint_id=str(path))

@@ -84,6 +84,8 @@ class Holder:
     heartbeat: float
     #: The data directory the holder's save writes (a takeover leaves it alone: the holder may only be frozen).
     data_dir: str = ""
+    #: The holder's restart attempt of ``job`` (``spmd run``/torchrun's restart count), -1 where not known.
+    attempt: int = -1
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -121,14 +123,29 @@ class Holder:
         dead = self.dead()
         if dead is not None:
             return dead
+        job, attempt = _job(), _attempt()
+        if self.job and self.job == job and 0 <= self.attempt < attempt:
+            # the launcher restarts a job only once every worker of the earlier attempt has stopped (or died with its node)
+            return f"it was saved by attempt {self.attempt} of this job, which was restarted since (this is attempt {attempt})"
         age = time.time() - self.heartbeat
         return f"its last heartbeat was {age:.0f} s ago (more than the {ttl:.0f} s TTL)" if age > ttl else None
 
 
+def _job() -> str:
+    """This process's job, as its launcher names it ("" where none does)."""
+    return settings.current().run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
+
+
+def _attempt() -> int:
+    """This process's restart attempt of its job (0 for the first; spmd run and torchrun count them)."""
+    counted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return settings.current().restart_count or (int(counted) if counted.isdigit() else 0)
+
+
 def _new_holder(data_dir: str) -> Holder:
     now = time.time()
-    job = settings.current().run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
-    return Holder(uuid.uuid4().hex, job, machine(), os.getpid(), _process_start(os.getpid()), now, now, data_dir)
+    return Holder(uuid.uuid4().hex, _job(), machine(), os.getpid(), _process_start(os.getpid()), now, now, data_dir,
+                  _attempt())
 
 
 def read_holder(storage: Storage, path: str = CLAIM_FILE) -> Holder | None:

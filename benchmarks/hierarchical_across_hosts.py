@@ -23,9 +23,8 @@ import sys
 
 import torch
 
-from spmd.bench.ops import elements
 from spmd.bench.report import human
-from spmd.bench.sides import all_reduce_sides
+from spmd.bench.sides import all_reduce_table
 
 
 def rank_main(sizes: list[int], iters: int) -> None:
@@ -49,12 +48,8 @@ def rank_main(sizes: list[int], iters: int) -> None:
         spmd.broadcast(t, src=rank % 2, group=local)
 
     sides = {"hier": lambda t: spmd.all_reduce(t), "flat": lambda t: spmd.all_reduce(t, group=flat), "hand": by_hand}
-    rows = []
-    for nbytes in sizes:
-        count = iters or max(20, min(300, int(2e8 // max(nbytes, 1) // 1000)))
-        med = all_reduce_sides(sides, elements(nbytes), count, lambda: spmd.barrier(group=flat),
-                               lambda t: spmd.all_reduce(t, op=spmd.ReduceOp.MAX, group=flat))
-        rows.append((nbytes, med))
+    rows = all_reduce_table(sides, sizes, iters, 300, lambda: spmd.barrier(group=flat),
+                            lambda t: spmd.all_reduce(t, op=spmd.ReduceOp.MAX, group=flat))
     if rank == 0:
         print(f"all_reduce, {world} ranks on 2 nodes x {world // 2} (world group: {kind}; medians in us, slowest rank per call)")
         print(f"{'size':>9} | {'hier':>9} {'flat':>9} {'hand':>9} | {'hier/flat':>9} {'hier/hand':>9}")

@@ -26,9 +26,8 @@ import torch
 import torch.distributed as tdist
 
 from spmd.bench.launch import run_as_ranks
-from spmd.bench.ops import elements
 from spmd.bench.report import human
-from spmd.bench.sides import all_reduce_sides
+from spmd.bench.sides import all_reduce_table
 
 
 def parse() -> argparse.Namespace:
@@ -67,12 +66,8 @@ def main(args: argparse.Namespace) -> None:
         "flat": lambda t: spmd.all_reduce(t, group=flat),
         "torch": lambda t: tdist.all_reduce(t, group=torch_gloo),
     }
-    rows = []
-    for nbytes in (int(x) for x in args.sizes.split(",")):
-        iters = args.iters or max(20, min(400, int(2e8 // max(nbytes, 1) // 1000)))
-        med = all_reduce_sides(sides, elements(nbytes), iters, spmd.barrier,
-                               lambda t: spmd.all_reduce(t, op=spmd.ReduceOp.MAX))
-        rows.append((nbytes, med))
+    rows = all_reduce_table(sides, [int(x) for x in args.sizes.split(",")], args.iters, 400, spmd.barrier,
+                            lambda t: spmd.all_reduce(t, op=spmd.ReduceOp.MAX))
     if rank == 0:
         print(f"all_reduce, {world} ranks as {world // per} hosts x {per} (medians in us; slowest rank per call)")
         print(f"{'size':>9} | {'hier':>9} {'flat':>9} {'torch':>9} | {'hier/flat':>9} {'hier/torch':>10} {'flat/torch':>10}")

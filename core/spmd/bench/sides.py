@@ -55,6 +55,18 @@ def alternate(steps: Mapping[str, Callable[[], object]], rounds: int, barrier: C
     return times
 
 
+def all_reduce_table(sides: Mapping[str, Callable[[Any], object]], sizes: list[int], iters: int, cap: int,
+                     barrier: Callable[[], object], slowest: Callable[[Any], object]) -> list[tuple[int, dict[str, float]]]:
+    """``(bytes, all_reduce_sides(...))`` per size of ``sizes``: ``iters`` calls per side (0: by size, 20 to ``cap``)."""
+    from spmd.bench.ops import elements
+
+    rows = []
+    for nbytes in sizes:
+        count = iters or max(20, min(cap, int(2e8 // max(nbytes, 1) // 1000)))
+        rows.append((nbytes, all_reduce_sides(sides, elements(nbytes), count, barrier, slowest)))
+    return rows
+
+
 def all_reduce_sides(sides: Mapping[str, Callable[[Any], object]], numel: int, iters: int, barrier: Callable[[], object],
                      slowest: Callable[[Any], object], warmup: int = 3) -> dict[str, float]:
     """Each side's median microseconds for an all_reduce of ``numel`` float32 elements, alternated call by call

@@ -40,7 +40,6 @@ def _unique_id(name: str) -> str:
     return name if count == 1 else f"{name}@{count}"
 
 
-
 class ProcessGroup:
     """The ranks that take part in a collective, and the backends that move their data.
 

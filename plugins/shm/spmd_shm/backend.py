@@ -70,7 +70,7 @@ class ShmBackend(Backend):
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> ShmWork:
-        return self._collective(collectives.all_reduce, tensor.view(-1), op)
+        return self._collective(collectives.all_reduce, tensor if tensor.dim() == 1 else tensor.view(-1), op)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> ShmWork:
         return self._collective(collectives.broadcast, tensor.view(-1), src)

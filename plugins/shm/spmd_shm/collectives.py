@@ -101,30 +101,54 @@ def all_reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> 
     per = _chunk(eng, flat.element_size())
     for start in range(0, flat.numel(), per):
         piece = flat if per >= flat.numel() else flat[start : start + per]
+        if not split:
+            yield from _whole_round(eng, work, piece, op, total)
+            continue
         r = yield from eng.begin_round(work, "all_reduce")
         _write(eng, r, [piece])
         sign(eng, r, name, total)
         eng.publish(r)
         yield from eng.await_arrival(work, r, eng.others, "all_reduce")
         _check_sizes(eng, r, eng.others, piece.numel() * piece.element_size(), name, total)
-        if split:
-            yield from _reduce_slices(eng, work, r, piece, op)
-        else:
-            for q in _whole_order(eng, piece, r):
-                reduce_into(piece, _read(eng, q, r, flat.dtype, 0, piece.numel()), op)
+        yield from _reduce_slices(eng, work, r, piece, op)
         eng.finish_round(r)
-    finish_avg(flat, op, eng.n)
+    if op is ReduceOp.AVG:
+        finish_avg(flat, op, eng.n)
+
+
+def _whole_round(eng: Rounds, work: ShmWork, piece: torch.Tensor, op: ReduceOp, total: int) -> Steps:
+    """One round of the whole path: write ``piece``, publish, reduce every rank's slot into it in rank order.
+
+    The path of every small all_reduce, so written flat: ranks in step never wait, and then this is
+    a handful of shared-word stores and loads, one copy and n - 1 reductions (no generator is started
+    for a wait that is not needed, no view is sliced twice).
+    """
+    r = eng.round = eng.round + 1
+    if r > 2 and eng.lagging(eng.ack, r - 2):
+        yield from eng.peers.wait_counters(work, eng.ack, eng.others, r - 2, "all_reduce")
+    me, parity, count, dtype = eng.me, r & 1, piece.numel(), piece.dtype
+    eng.view(me, r, dtype, 0, count).copy_(piece)
+    nbytes = count * piece.element_size()
+    eng.slot_size[me][parity].value = nbytes
+    eng.slot_sig[me][parity].value = (_CODES["all_reduce"] << 56) | total
+    eng.publish(r)
+    if eng.lagging(eng.arrive, r):
+        yield from eng.await_arrival(work, r, eng.others, "all_reduce")
+    _check_sizes(eng, r, eng.others, nbytes, "all_reduce", total)
+    for q in _whole_order(eng, piece, r):
+        reduce_into(piece, eng.view(q, r, dtype, 0, count), op)
+    eng.finish_round(r)
 
 
 def _whole_order(eng: Rounds, piece: torch.Tensor, r: int) -> list[int]:
     """The slots to reduce into ``piece`` (which holds this rank's own chunk), in rank order: ranks 0 and 1
     start from their own data (x1 op x0 is x0 op x1: the ops are commutative), saving a copy of the chunk;
     the others start from rank 0's slot, copied in."""
-    n, me, everyone = eng.n, eng.me, range(eng.n)
+    n, me = eng.n, eng.me
     if me <= 1:
-        return [q for q in (1 - me,) if q < n] + list(everyone[2:])
+        return eng.others if n <= 2 else [1 - me, *range(2, n)]
     piece.copy_(_read(eng, 0, r, piece.dtype, 0, piece.numel()))
-    return list(everyone[1:])
+    return list(range(1, n))
 
 
 def _slices(n: int, count: int, element_size: int) -> list[int]:

@@ -19,6 +19,8 @@ from spmd_shm.work import ShmWork
 
 #: Seconds between checks that the awaited peers' processes still exist.
 LIVENESS_PERIOD = 0.05
+#: Seconds between a waiting op's checks of its abort flag, deadline and the peers' states.
+CHECK_PERIOD = 50e-6
 
 #: What the engine steps: a generator that yields whenever it must wait, returns when its op is done.
 Steps = Generator[None, None, Any]
@@ -95,14 +97,23 @@ class Peers:
                     )
 
     def wait_for(self, work: ShmWork, missing_fn: Callable[[], list[int]], what: str) -> Steps:
-        """Yield until ``missing_fn()`` is empty, checking deadline, abort and peers in between."""
+        """Yield until ``missing_fn()`` is empty, checking deadline, abort and peers at most every
+        ``CHECK_PERIOD`` seconds (a spinning waiter polls every microsecond or two)."""
+        next_check = 0.0
         while missing_fn():
-            self.check(work, missing_fn, what)
+            now = time.monotonic()
+            if now >= next_check:
+                self.check(work, missing_fn, what)
+                next_check = now + CHECK_PERIOD
             yield
 
     def wait_counters(self, work: ShmWork, words: list[Any], ranks: list[int], at_least: int, what: str) -> Steps:
         """Yield until ``words[q] >= at_least`` for every q in ``ranks`` (the common case: no yield at all)."""
         for q in ranks:
             if words[q].value < at_least:
-                yield from self.wait_for(work, lambda: [q for q in ranks if words[q].value < at_least], what)
+                work.gate = (words, ranks, at_least)  # a waiting caller polls these words alone (Engine.drive)
+                try:
+                    yield from self.wait_for(work, lambda: [q for q in ranks if words[q].value < at_least], what)
+                finally:
+                    work.gate = None
                 return

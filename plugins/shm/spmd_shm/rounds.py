@@ -9,6 +9,7 @@ own rank only.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -45,9 +46,17 @@ class Rounds:
     def begin_round(self, work: ShmWork, what: str) -> Steps:
         """Start the next round; returns it once this rank's slot for it is free to write."""
         r = self.round = self.round + 1
-        if r > 2:
+        if r > 2 and self.lagging(self.ack, r - 2):
             yield from self.peers.wait_counters(work, self.ack, self.others, r - 2, what)
         return r
+
+    def lagging(self, words: list[Any], at_least: int) -> bool:
+        """Whether another rank's counter in ``words`` is still below ``at_least`` (the check before a wait:
+        in step, the ranks never wait, and a plain loop is cheaper than starting the wait's generator)."""
+        for q in self.others:
+            if words[q].value < at_least:
+                return True
+        return False
 
     def publish(self, r: int) -> None:
         """This rank's slot for round ``r`` is written: readers may go."""

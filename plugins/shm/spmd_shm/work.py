@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from spmd_shm.doorbell import Doorbells
 
@@ -29,7 +29,7 @@ class ShmWork:
     """Finished by whichever thread progresses the engine (a waiting caller, or the engine's own);
     ``abort`` asks it to give up on the op."""
 
-    __slots__ = ("done", "_error", "aborted", "_fns", "_engine", "deadline")
+    __slots__ = ("done", "_error", "aborted", "_fns", "_engine", "deadline", "gate")
 
     def __init__(self, engine: Driver, deadline: float) -> None:
         #: Set once, by ``finish`` (a plain flag: its waiters progress the engine or sleep on the doorbell).
@@ -40,6 +40,9 @@ class ShmWork:
         self._engine = engine
         #: time.monotonic() after which the progress thread fails the op with a TimeoutError.
         self.deadline = deadline
+        #: While the op waits for shared counters: (words, ranks, at_least), the op can go on once
+        #: ``words[q].value >= at_least`` for every q in ranks (see ``Peers.wait_counters``).
+        self.gate: tuple[list[Any], list[int], int] | None = None
 
     # -- spmd.comm.work.NativeWork ------------------------------------------------------
     def poll(self) -> bool:

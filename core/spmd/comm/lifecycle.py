@@ -259,11 +259,14 @@ def complete(
     after: Callable[[], None] | None = None,
     timeout: Timeout = None,
     result: torch.Tensor | None = None,
+    describe: Callable[[], str] | None = None,
 ) -> Work | None:
     """Record the submitted op, attach its timeout (the group's unless ``timeout``), group and entry to ``work``; wait unless ``async_op``.
 
     ``result``: the op's output tensor; an async Work's value (``result()``,
     ``get_future().value()``) is then ``[result]``, as torch's Work's.
+    ``describe``: makes the op's description for an error, where the group's
+    description of ``op`` is not enough (a point-to-point op names its peer).
 
     The hot path of every op: a few attribute stores, no closures. The
     description and the diagnosis of a failure are derived from the group and
@@ -276,7 +279,7 @@ def complete(
         return _complete_unagreed(work, group, op, call, async_op, after, timeout, result)
     if not isinstance(work, Work):  # the backend returned its own handle (the NativeWork protocol)
         if not async_op and not hasattr(work, "wait_stream"):
-            _wait_here(work, group, op, call, after, timeout)
+            _wait_here(work, group, op, call, after, timeout, describe)
             return None
         work = NativeWorkAdapter(work)  # (Work.from_native also checks the methods: not on the hot path)
     succeeded = work._is_done and work._error is None
@@ -305,7 +308,9 @@ def complete(
     work._group = group
     if work._is_done:  # finished before it had an entry to finish (no-op if recorded as completed above)
         entry.finish(work._error)
-    if op != entry.op:  # point-to-point: "isend to rank 3 (tag 0)"
+    if describe is not None:  # point-to-point: "isend to rank 3 (tag 0)"
+        work._describe = describe
+    elif op != entry.op:
         work._describe = lambda: group.describe(op)
     if async_op:
         if after is not None:
@@ -332,7 +337,10 @@ def complete(
     return None
 
 
-def _wait_here(native: NativeWork, group: ProcessGroup, op: str, call: Call, after: Callable[[], None] | None, timeout: Timeout) -> None:
+def _wait_here(
+    native: NativeWork, group: ProcessGroup, op: str, call: Call, after: Callable[[], None] | None, timeout: Timeout,
+    describe: Callable[[], str] | None = None,
+) -> None:
     """A synchronous op on a backend's own handle: record it, wait on the handle itself, done.
 
     The hot path of every blocking collective on Gloo, MPI and UCX: no kernel
@@ -356,7 +364,9 @@ def _wait_here(native: NativeWork, group: ProcessGroup, op: str, call: Call, aft
         return None
     work = NativeWorkAdapter(native)
     work.default_timeout, work._entry, work._group = limit, entry, group
-    if op != entry.op:  # point-to-point: "isend to rank 3 (tag 0)"
+    if describe is not None:  # point-to-point: "isend to rank 3 (tag 0)"
+        work._describe = describe
+    elif op != entry.op:
         work._describe = lambda: group.describe(op)
     if finished and group.unusable is None:
         adopt_announcements()  # failed: a peer that gave the group up and left (closing its connections)?

@@ -59,9 +59,9 @@ def _peer(g: ProcessGroup, rank: int | None, group_rank: int | None, what: str, 
     return peer
 
 
-def _start(op: str, what: str, tensor: torch.Tensor, g: ProcessGroup, peer: int, tag: int, timeout: Timeout) -> Work:
-    """Submit one send or receive and hand it to ``complete`` as an async op; a non-contiguous
-    tensor travels through a contiguous stand-in (written back after a receive)."""
+def _start(op: str, what: str, tensor: torch.Tensor, g: ProcessGroup, peer: int, tag: int, timeout: Timeout, async_op: bool) -> Work | None:
+    """Submit one send or receive and hand it to ``complete`` (which waits unless ``async_op``); a
+    non-contiguous tensor travels through a contiguous stand-in (written back after a receive)."""
     context = _context.get()
     entry = recorder.start(g.name, -1, op, (tensor,), None, g.ranks[peer])
     if context is not None:
@@ -80,39 +80,48 @@ def _start(op: str, what: str, tensor: torch.Tensor, g: ProcessGroup, peer: int,
         else:
             work = backend.irecv(staged.tensor, peer, tag)
             after = sequence(*staging_steps(staged, write_back=(staged,)))
-    result = complete(work, g, op, entry, True, after, timeout=timeout)
-    assert result is not None
-    result._describe = functools.partial(_describe, g, what, peer, tag, context)
-    return result
+    describe = functools.partial(_describe, g, what, peer, tag, context)
+    return complete(work, g, op, entry, async_op, after, timeout=timeout, describe=describe)
 
 
-def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None, *, timeout: Timeout = None) -> Work:
-    """Start sending ``tensor`` to ``dst``; keep the tensor unchanged until the Work completes."""
+def _send(tensor: torch.Tensor, dst: int | None, group: ProcessGroup | None, tag: int, group_dst: int | None, timeout: Timeout, async_op: bool) -> Work | None:
     g = resolve_group(group)
     check_tensor(tensor, "tensor", "isend")
     _check_tag(tag, "isend")
-    return _start("send", "isend to", tensor, g, _peer(g, dst, group_dst, "dst", "isend"), tag, timeout)
+    return _start("send", "isend to", tensor, g, _peer(g, dst, group_dst, "dst", "isend"), tag, timeout, async_op)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None, *, timeout: Timeout = None) -> Work:
-    """Start receiving into ``tensor`` from ``src``; read it only after the Work completes."""
-    g = resolve_group(group)
+def _recv(tensor: torch.Tensor, src: int | None, g: ProcessGroup, tag: int, group_src: int | None, timeout: Timeout, async_op: bool) -> Work | None:
     check_tensor(tensor, "tensor", "irecv")
     _check_tag(tag, "irecv")
     if src is None and group_src is None:
         raise ValueError("irecv: receiving from any source is not supported; pass src= (the sender's rank)")
-    return _start("recv", "irecv from", tensor, g, _peer(g, src, group_src, "src", "irecv"), tag, timeout)
+    return _start("recv", "irecv from", tensor, g, _peer(g, src, group_src, "src", "irecv"), tag, timeout, async_op)
+
+
+def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None, *, timeout: Timeout = None) -> Work:
+    """Start sending ``tensor`` to ``dst``; keep the tensor unchanged until the Work completes."""
+    work = _send(tensor, dst, group, tag, group_dst, timeout, True)
+    assert work is not None
+    return work
+
+
+def irecv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None, *, timeout: Timeout = None) -> Work:
+    """Start receiving into ``tensor`` from ``src``; read it only after the Work completes."""
+    work = _recv(tensor, src, resolve_group(group), tag, group_src, timeout, True)
+    assert work is not None
+    return work
 
 
 def send(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None, *, timeout: Timeout = None) -> None:
-    """Send ``tensor`` to ``dst`` and wait until it is sent."""
-    isend(tensor, dst, group, tag, group_dst, timeout=timeout).wait()
+    """Send ``tensor`` to ``dst`` and wait until it is sent (on the backend's own handle: no Work is made)."""
+    _send(tensor, dst, group, tag, group_dst, timeout, False)
 
 
 def recv(tensor: torch.Tensor, src: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_src: int | None = None, *, timeout: Timeout = None) -> int:
     """Receive into ``tensor`` from ``src``; returns the sender's global rank."""
     g = resolve_group(group)
-    irecv(tensor, src, g, tag, group_src, timeout=timeout).wait()
+    _recv(tensor, src, g, tag, group_src, timeout, False)
     return src if src is not None else g.ranks[group_src or 0]
 
 

@@ -26,7 +26,7 @@ PACKETS = int(os.environ.get("SPMD_SHM_PACKETS", "4"))
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's memory as a flat uint8 view (the kernel hands over contiguous tensors)."""
-    return tensor.reshape(-1).view(torch.uint8)
+    return (tensor if tensor.dim() == 1 else tensor.reshape(-1)).view(torch.uint8)
 
 
 def _row_bytes(tensor: torch.Tensor) -> int:

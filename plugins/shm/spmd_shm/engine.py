@@ -101,7 +101,7 @@ class Engine:
             work.finish(self._refusal(broken))
             return work
         self._last_use = time.monotonic()  # (an op that completes here is never driven: see _loop)
-        if kind == "coll" and not self._collectives and not self._inbox and self._start_now(work, payload):
+        if not self._inbox and self._start_now(kind, work, payload):
             return work
         self._inbox.append((kind, (work, payload)))
         # Start it here (publish this rank's part) if no thread is progressing; else make sure the
@@ -110,19 +110,25 @@ class Engine:
             self.kick()
         return work
 
-    def _start_now(self, work: ShmWork, steps: Steps) -> bool:
-        """Take the first step of a collective that nothing is queued before, here in the caller's thread
-        (the common case, and the cheapest: no hand-over through the inbox). False if another thread is
-        progressing the engine (the op then goes through the inbox)."""
+    def _start_now(self, kind: str, work: ShmWork, payload: Any) -> bool:
+        """Take an op here in the caller's thread, with no hand-over through the inbox (the common case,
+        and the cheapest) and step the queue it joins once: a collective or send that nothing is
+        queued before publishes its part now, a recv takes what already arrived. False if another
+        thread is progressing the engine (the op then goes through the inbox)."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            if self._collectives or self._inbox:  # (queued by another thread meanwhile: keep the order)
+            if self._inbox:  # (queued by another thread meanwhile: keep the order)
                 return False
-            self._collectives.append((work, steps))
+            self._accept(kind, (work, payload))
             try:
                 with one_torch_thread():
-                    self._advance(self._collectives)
+                    if kind == "coll":
+                        self._advance(self._collectives)
+                    elif kind == "send":
+                        self._advance(self._sends[payload[0]])
+                    else:
+                        self.rings.drain(payload.src)
             except BaseException as error:  # noqa: BLE001 - as in _body
                 self.fail_all(error)
             return True
@@ -191,7 +197,7 @@ class Engine:
             self._advance(self._sends[0])
 
     def _busy(self) -> bool:
-        return bool(self._collectives or self.rings.waiting or any(self._sends))
+        return bool(self._collectives or any(self._sends) or self.rings.pending())
 
     def _body(self) -> None:
         """One round of progress on everything; the caller holds ``self._lock``. The copies and reductions

@@ -8,12 +8,13 @@ recv is posted, so a sender never waits for its receiver to call recv.
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable, Iterable
 
 import torch
 
 from spmd.errors import CollectiveError
-from spmd_shm.peers import Peers, Steps
+from spmd_shm.peers import CHECK_PERIOD, Peers, Steps
 from spmd_shm.segment import PACKET_HEADER, Segment
 from spmd_shm.work import ShmWork
 
@@ -88,25 +89,39 @@ class Rings:
         self._incoming: list[Recv | _Stash | None] = [None] * n
         #: Posted recvs not yet complete: watched for aborts, deadlines and dead senders.
         self.waiting: list[Recv] = []
+        self._next_check = 0.0  # time.monotonic() of the next check_recvs that looks
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
 
     def send_steps(self, work: ShmWork, data: torch.Tensor, dst: int, tag: int) -> Steps:
         """Copy ``data`` (bytes) into the ring to ``dst`` packet by packet, waiting for free packets."""
-        lay, mm, seg = self.lay, self.seg.mm, self.seg.bytes
+        lay, mm = self.lay, self.seg.mm
         total, sent, first = data.numel(), 0, True
         consumed, k_max = self.out_consumed[dst], lay.packets
-        what = f"send to {self.peers.label[dst]} (tag {tag}, {total} bytes)"
         while first or sent < total:
             first = False
-            yield from self.peers.wait_for(work, lambda: [dst] if self.sent[dst] - consumed.value >= k_max else [], what)
+            if self.sent[dst] - consumed.value >= k_max:  # the ring is full: wait for the receiver
+                what = f"send to {self.peers.label[dst]} (tag {tag}, {total} bytes)"
+                yield from self.peers.wait_for(work, lambda: [dst] if self.sent[dst] - consumed.value >= k_max else [], what)
             off = lay.packet_at(self.me, dst, self.sent[dst] % k_max)
             length = min(lay.packet_bytes, total - sent)
             _HEADER.pack_into(mm, off, tag, total, sent, length)
             if length:
-                seg[off + PACKET_HEADER : off + PACKET_HEADER + length].copy_(data[sent : sent + length])
+                self._payload(off, length).copy_(data if length == total else data[sent : sent + length])
             self.sent[dst] += 1
             self.out_produced[dst].value = self.sent[dst]
             self._notify((dst,))
             sent += length
+
+    def _payload(self, off: int, length: int) -> torch.Tensor:
+        """The first ``length`` payload bytes of the packet at ``off`` (views cached: slicing costs a
+        microsecond, a small message only a few)."""
+        key = (off, length)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 4096:
+                self._views.clear()
+            view = self._views[key] = self.seg.bytes[off + PACKET_HEADER : off + PACKET_HEADER + length]
+        return view
 
     def post(self, recv: Recv) -> None:
         """Take a recv: delivered from an early message if one with its tag is here, else posted."""
@@ -141,7 +156,7 @@ class Rings:
         produced = self.in_produced[src].value
         if self.received[src] >= produced:
             return False
-        lay, mm, seg = self.lay, self.seg.mm, self.seg.bytes
+        lay, mm = self.lay, self.seg.mm
         while self.received[src] < produced:
             off = lay.packet_at(src, self.me, self.received[src] % lay.packets)
             tag, total, offset, length = _HEADER.unpack_from(mm, off)
@@ -149,7 +164,8 @@ class Rings:
             if offset == 0 or target is None:
                 target = self._incoming[src] = self._match(src, tag, total)
             if length:
-                target.buf[offset : offset + length].copy_(seg[off + PACKET_HEADER : off + PACKET_HEADER + length])
+                buf = target.buf
+                (buf if length == buf.numel() else buf[offset : offset + length]).copy_(self._payload(off, length))
             self.received[src] += 1
             if offset + length >= total:
                 self._incoming[src] = None
@@ -162,8 +178,20 @@ class Rings:
         """``[src]`` while ``recv`` still waits for its sender (after taking what the sender wrote)."""
         return lambda: [] if recv.work.done or self.drain(recv.src) and recv.work.done else [recv.src]
 
+    def pending(self) -> bool:
+        """Whether a posted recv still waits (the completed ones are dropped from ``waiting`` here)."""
+        waiting = self.waiting
+        if waiting and any(r.work.done for r in waiting):
+            waiting = self.waiting = [r for r in waiting if not r.work.done]
+        return bool(waiting)
+
     def check_recvs(self) -> None:
-        """Fail recvs that were aborted, ran out of time, or whose sender is gone."""
+        """Fail recvs that were aborted, ran out of time, or whose sender is gone (at most every
+        ``CHECK_PERIOD`` seconds: a waiting caller progresses every microsecond or two)."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + CHECK_PERIOD
         pending = [r for r in self.waiting if not r.work.done]
         self.waiting = pending
         for recv in pending:

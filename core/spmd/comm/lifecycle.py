@@ -279,6 +279,15 @@ def complete(
         return _complete_unagreed(work, group, op, call, async_op, after, timeout, result)
     if not isinstance(work, Work):  # the backend returned its own handle (the NativeWork protocol)
         if not async_op and not hasattr(work, "wait_stream"):
+            if type(call) is tuple and len(call) == 4 and work.poll() and work.error() is None:
+                # Done at submission (spmd-shm's small ops, when the peers were there first): recorded
+                # as completed in one Record, as a kernel Work that already succeeded is below.
+                seq = group.seq
+                group.seq = seq + 1
+                recorder.completed(group.name, seq, call[0], call[1], call[2], call[3])
+                if after is not None:
+                    after()
+                return None
             _wait_here(work, group, op, call, after, timeout, describe)
             return None
         work = NativeWorkAdapter(work)  # (Work.from_native also checks the methods: not on the hot path)

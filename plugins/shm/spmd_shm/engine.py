@@ -30,11 +30,11 @@ from spmd_shm.rounds import Rounds
 from spmd_shm.segment import BROKEN, CLOSED, Segment
 from spmd_shm.work import ShmWork
 
-#: Seconds a waiting caller keeps polling (after its last progress) before it sleeps on its doorbell,
-#: while the group's ranks fit the CPUs this process may use: long enough to cover a peer's own
-#: per-op Python (20 us spins slept at most ops of a back-to-back loop: 4 B all_reduce 120 vs 20 us
+#: The longest a waiting caller keeps polling (after its last progress) before it sleeps on its
+#: doorbell, while the group's ranks fit the CPUs this process may use: long enough to cover a peer's
+#: own per-op Python (20 us spins slept at most ops of a back-to-back loop: 4 B all_reduce 120 vs 20 us
 #: median on the 2-core host). With more ranks than CPUs a spinner would hold the core its peer
-#: needs, so it sleeps almost at once.
+#: needs, so it sleeps almost at once. Within those bounds the spin adapts (``Engine._adapt_spin``).
 SPIN_SECONDS = float(os.environ.get("SPMD_SHM_SPIN_US", "100")) * 1e-6
 OVERSUBSCRIBED_SPIN_SECONDS = 2e-6
 #: Longest single sleep: deadlines, aborts and dead peers are noticed at least this often.
@@ -68,7 +68,9 @@ class Engine:
         peers = self.peers = Peers(ctx, segment)
         n, me = self.n, self.me = peers.n, peers.me
         self.others = peers.others
-        self.spin = SPIN_SECONDS if n <= usable_cpus() else min(SPIN_SECONDS, OVERSUBSCRIBED_SPIN_SECONDS)
+        self._spin_max = SPIN_SECONDS if n <= usable_cpus() else min(SPIN_SECONDS, OVERSUBSCRIBED_SPIN_SECONDS)
+        self._spin_min = min(self._spin_max, OVERSUBSCRIBED_SPIN_SECONDS)
+        self.spin = self._spin_max  # seconds a waiting caller polls before it sleeps (adapted per wait)
         self.bells = Doorbells(segment, n, me)
         self.moves = 0  # bumped by every step that changed shared state (the spin's progress signal)
         self.rounds = Rounds(segment, peers, self._published)
@@ -230,9 +232,11 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._drivers_lock:
             self._drivers += 1
+        slept = False
         try:
             spin = self.spin
-            spin_until = full_poll_at = time.monotonic() + spin
+            started = time.monotonic()
+            spin_until = full_poll_at = started + spin
             while not work.done:
                 bell = bells.snapshot()
                 gate = work.gate
@@ -250,7 +254,10 @@ class Engine:
                     return False
                 if now < spin_until:
                     continue
+                slept = True
                 self._sleep_caller(work, bell, SLEEP_CAP if deadline is None else max(0.0, min(SLEEP_CAP, deadline - now)))
+            if slept:
+                self._adapt_spin(time.monotonic() - started)
             return True
         finally:
             self._last_use = time.monotonic()
@@ -259,6 +266,17 @@ class Engine:
                 last = not self._drivers
             if last and (self._inbox or self._busy()):  # ops nobody waits for now: the thread takes over
                 self._wake.set()
+
+    def _adapt_spin(self, waited: float) -> None:
+        """After a wait that ended asleep: had it ended within the longest spin, spin about twice that
+        long next time (a wake-up costs more than the spin would have); if not, the peers are far
+        away or have no core to run on (other processes share the CPUs), and half the spin, down to
+        almost none, leaves the core to them (a 4 B all_reduce on 2 ranks with a third process busy
+        on the 2-core host: 236 us spinning 100 us each wait, ~Gloo's 70 us sleeping at once)."""
+        if waited < self._spin_max:
+            self.spin = min(self._spin_max, max(self.spin, 2 * waited))
+        else:
+            self.spin = max(self._spin_min, self.spin / 2)
 
     def _sleep_caller(self, work: ShmWork, bell: int, cap: float) -> None:
         """Sleep on the doorbell (until a ring, a finish or ``cap`` s), announced in the sleep word."""

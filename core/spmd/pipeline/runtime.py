@@ -249,7 +249,7 @@ class Runtime:
             self.final_outputs[mb] = out.detach()
             loss = self.loss_fn(out, self.targets_mb[mb])
             self.losses[mb] = loss.detach()
-            out = loss * self.scale if self.scale != 1.0 else loss
+            out = loss  # (scaled in _backward, through the gradient it starts from)
         self.inputs[(s, mb)] = x
         self.outputs[(s, mb)] = out
 
@@ -258,10 +258,15 @@ class Runtime:
         key = (s, mb)
         out = self.outputs[key]
         grad: torch.Tensor | None = None
-        if not self.stages[s].is_last:
+        if s != self.num_stages - 1:
             grad = self._received(Kind.RECV_B, s, mb)
             if grad is None:
                 grad = self.input_grads.pop((s + 1, mb))
+        elif self.scale != 1.0 and out.numel() == 1:
+            # the gradient of loss * scale, without that product's node in every microbatch's graph: the
+            # same values as its backward (ones times the scale, one mul kernel); a loss that is not a
+            # scalar keeps grad None, so backward raises torch's own error for it as before
+            grad = torch.ones_like(out).mul_(self.scale)
         x = self.inputs[key]
         wants_input = s > 0 and x.requires_grad
         if key in self.split_w:

@@ -59,10 +59,10 @@ def _peer(g: ProcessGroup, rank: int | None, group_rank: int | None, what: str, 
     return peer
 
 
-def _start(op: str, what: str, tensor: torch.Tensor, g: ProcessGroup, peer: int, tag: int, timeout: Timeout, async_op: bool) -> Work | None:
+def _start(op: str, what: str, tensor: torch.Tensor, g: ProcessGroup, peer: int, tag: int, timeout: Timeout, async_op: bool,
+           context: str | None) -> Work | None:
     """Submit one send or receive and hand it to ``complete`` (which waits unless ``async_op``); a
     non-contiguous tensor travels through a contiguous stand-in (written back after a receive)."""
-    context = _context.get()
     entry = recorder.start(g.name, -1, op, (tensor,), None, g.ranks[peer])
     if context is not None:
         entry.context = context
@@ -88,7 +88,7 @@ def _send(tensor: torch.Tensor, dst: int | None, group: ProcessGroup | None, tag
     g = resolve_group(group)
     check_tensor(tensor, "tensor", "isend")
     _check_tag(tag, "isend")
-    return _start("send", "isend to", tensor, g, _peer(g, dst, group_dst, "dst", "isend"), tag, timeout, async_op)
+    return _start("send", "isend to", tensor, g, _peer(g, dst, group_dst, "dst", "isend"), tag, timeout, async_op, _context.get())
 
 
 def _recv(tensor: torch.Tensor, src: int | None, g: ProcessGroup, tag: int, group_src: int | None, timeout: Timeout, async_op: bool) -> Work | None:
@@ -96,7 +96,17 @@ def _recv(tensor: torch.Tensor, src: int | None, g: ProcessGroup, tag: int, grou
     _check_tag(tag, "irecv")
     if src is None and group_src is None:
         raise ValueError("irecv: receiving from any source is not supported; pass src= (the sender's rank)")
-    return _start("recv", "irecv from", tensor, g, _peer(g, src, group_src, "src", "irecv"), tag, timeout, async_op)
+    return _start("recv", "irecv from", tensor, g, _peer(g, src, group_src, "src", "irecv"), tag, timeout, async_op, _context.get())
+
+
+def start_checked(op: str, tensor: torch.Tensor, group: ProcessGroup, peer: int, tag: int, context: str) -> Work:
+    """``isend`` (op "send") or ``irecv`` (op "recv") to group rank ``peer`` under ``p2p_context(context)``,
+    for a caller that checked the group, peer and tag once (the pipeline runtime: per transfer, the
+    checks and the context block cost as much as the kernel's own recording)."""
+    check_tensor(tensor, "tensor", "isend" if op == "send" else "irecv")
+    work = _start(op, "isend to" if op == "send" else "irecv from", tensor, group, peer, tag, None, True, context)
+    assert work is not None
+    return work
 
 
 def isend(tensor: torch.Tensor, dst: int | None = None, group: ProcessGroup | None = None, tag: int = 0, group_dst: int | None = None, *, timeout: Timeout = None) -> Work:

@@ -9,32 +9,14 @@ import torch
 
 from spmd.comm.agreement import verify_agreement
 from spmd.comm.collectives import all_reduce
-from spmd.comm.p2p import irecv, isend, p2p_context
+from spmd.comm.p2p import start_checked
 from spmd.comm.reduce_op import ReduceOp
 from spmd.comm.work import Work
 from spmd.pipeline import microbatch
-from spmd.pipeline.actions import RECVS, SENDS, Action, Kind
+from spmd.pipeline.actions import Action, Kind
 from spmd.pipeline.stage import PipelineStage
+from spmd.pipeline.transfers import Batch, Transfer, batches, decode, encode, meta_buffer
 from spmd.pipeline.validate import validated_programs
-
-#: dtypes a metadata message can name (index = code).
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-_MAX_DIMS = 8
-_META_TAG = 1 << 23  # tags below are data, from here up metadata
-
-
-def _encode(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
-        raise TypeError(f"pipeline: cannot send an activation of dtype {t.dtype} with {t.dim()} dims")
-    meta = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-    meta[0], meta[1] = _DTYPES.index(t.dtype), t.dim()
-    meta[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return meta
-
-
-def _decode(meta: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-    values = meta.tolist()
-    return torch.Size(values[2 : 2 + values[1]]), _DTYPES[values[0]]
 
 
 class Runtime:
@@ -85,6 +67,37 @@ class Runtime:
         # learnt from the upstream stage's metadata message in the first step, always: that stage sends one
         # per microbatch whatever this one knows (a stage's input_args only checks what arrives)
         self.recv_meta: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
+        self.plan = self._compile()
+
+    def _compile(self) -> list[tuple[int, Callable[[Runtime, Any], None], Any]]:
+        """The program as (program index, method, argument) steps, worked out once: ``step`` only runs them.
+
+        Runs of transfers become one step each (with their peers, tags and
+        labels computed here), FSDP's gradient-sync switch and DDP's reduction
+        their own steps; the index is what an error names.
+        """
+        runs = batches(self.program, self.m, self.world)
+        plan: list[tuple[int, Callable[[Runtime, Any], None], Any]] = []
+        i = 0
+        while i < len(self.program):
+            if i in runs:
+                batch, i_next = runs[i]
+                plan.append((i, Runtime._post, batch))
+                i = i_next
+                continue
+            a = self.program[i]
+            if a.kind == Kind.F:
+                plan.append((i, Runtime._forward, a))
+            elif a.kind == Kind.B:
+                if a.stage in self.last_backward:  # FSDP: reduce once, in the stage's last backward
+                    plan.append((i, Runtime._gradient_sync, (a.stage, i == self.last_backward[a.stage])))
+                plan.append((i, Runtime._backward, a))
+            else:
+                plan.append((i, Runtime._weight, a))
+            if i in self.sync_at:
+                plan.append((i, Runtime._reduce_grads, self.stages[self.sync_at[i]]))
+            i += 1
+        return plan
 
     def _data_parallel_sync_points(self) -> dict[int, int]:
         """For each stage whose module is data parallel (has ``no_sync``), the program index after which to reduce.
@@ -126,6 +139,11 @@ class Runtime:
             points[s] = max(i for i, a in enumerate(self.program) if a.stage == s and a.kind == Kind.B)
         return points
 
+    def _gradient_sync(self, arg: tuple[int, bool]) -> None:
+        """FSDP: turn the stage's gradient reduction on for its last backward only."""
+        stage, last = arg
+        self.stages[stage].submod.set_requires_gradient_sync(last)  # type: ignore[operator]
+
     def _reduce_grads(self, stage: PipelineStage) -> None:
         module = stage.submod
         grads = [p.grad for p in module.parameters() if p.grad is not None]
@@ -139,86 +157,68 @@ class Runtime:
             offset += g.numel()
 
     # -- transfers --------------------------------------------------------------------------------
-    def _tag(self, a: Action, backward: bool) -> int:
-        """Data tag of a transfer: unique per (lower stage of the pair, microbatch, direction), so order never matters."""
-        return 2 * (a.stage * self.m + a.microbatch) + int(backward)
-
-    def _post(self, batch: list[Action]) -> None:
-        """Start every transfer of a run of consecutive SEND/RECV actions; receives are waited for when used."""
+    def _post(self, batch: Batch) -> None:
+        """Start every transfer of a run of consecutive SEND/RECV actions (receives are waited for when used),
+        then prefetch the program's next receive."""
         g = self.group
-        for a in batch:
-            if a.kind not in SENDS:
-                continue
-            key = (a.stage, a.microbatch)
-            if a.kind == Kind.SEND_F:
-                t = self.outputs[key].detach()
-                dst, tag = (a.stage + 1) % self.world, self._tag(a, False)
-                meta = (t.shape, t.dtype)
-                known = self.sent_meta.get(key)
-                with p2p_context(a.describe()):
-                    if known is None:
-                        self.sent_meta[key] = meta
-                        self.sends.append(isend(_encode(t), group=g, group_dst=dst, tag=_META_TAG + a.stage * self.m + a.microbatch))
-                    elif known != meta:
-                        raise ValueError(
-                            f"pipeline: stage {a.stage}, microbatch {a.microbatch} now outputs {tuple(t.shape)} {t.dtype}, "
-                            f"the first step sent {tuple(known[0])} {known[1]}; keep the batch shape or build a new schedule"
-                        )
-                    self.sends.append(isend(t, group=g, group_dst=dst, tag=tag))
+        for t in batch.sends:
+            if t.kind is Kind.SEND_F:
+                out = self.outputs[t.key].detach()
+                meta = (out.shape, out.dtype)
+                known = self.sent_meta.get(t.key)
+                if known is None:
+                    self.sent_meta[t.key] = meta
+                    self.sends.append(start_checked("send", encode(out), g, t.peer, t.meta_tag, t.label))
+                elif known != meta:
+                    raise ValueError(
+                        f"pipeline: stage {t.key[0]}, microbatch {t.key[1]} now outputs {tuple(out.shape)} {out.dtype}, "
+                        f"the first step sent {tuple(known[0])} {known[1]}; keep the batch shape or build a new schedule"
+                    )
+                self.sends.append(start_checked("send", out, g, t.peer, t.tag, t.label))
             else:
-                t = self.input_grads.pop(key)
-                with p2p_context(a.describe()):
-                    self.sends.append(isend(t, group=g, group_dst=(a.stage - 1) % self.world, tag=self._tag(Action(a.stage - 1, a.microbatch, a.kind), True)))
-        metas: list[tuple[Action, torch.Tensor, Work]] = []
-        for a in batch:
-            if a.kind == Kind.RECV_F and (a.stage, a.microbatch) not in self.recv_meta:
-                buf = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
-                with p2p_context(f"{a.describe()} (shape metadata)"):
-                    work = irecv(buf, group=g, group_src=(a.stage - 1) % self.world, tag=_META_TAG + (a.stage - 1) * self.m + a.microbatch)
-                metas.append((a, buf, work))
-        for a, buf, work in metas:
+                self.sends.append(start_checked("send", self.input_grads.pop(t.key), g, t.peer, t.tag, t.label))
+        metas: list[tuple[Transfer, torch.Tensor, Work]] = []
+        for t in batch.recvs:
+            if t.kind is Kind.RECV_F and t.key not in self.recv_meta:
+                buf = meta_buffer()
+                metas.append((t, buf, start_checked("recv", buf, g, t.peer, t.meta_tag, t.meta_label)))
+        for t, buf, work in metas:
             work.wait()
-            meta = self.recv_meta[(a.stage, a.microbatch)] = _decode(buf)
-            expected = self.stages[a.stage].input_meta
+            meta = self.recv_meta[t.key] = decode(buf)
+            s, mb = t.key
+            expected = self.stages[s].input_meta
             if expected is not None and (tuple(expected[0]), expected[1]) != (tuple(meta[0]), meta[1]):
                 raise ValueError(
-                    f"pipeline: stage {a.stage} was built with input_args of {tuple(expected[0])} {expected[1]}, but stage "
-                    f"{a.stage - 1} sends microbatch {a.microbatch} as {tuple(meta[0])} {meta[1]}; fix input_args or the batch"
+                    f"pipeline: stage {s} was built with input_args of {tuple(expected[0])} {expected[1]}, but stage "
+                    f"{s - 1} sends microbatch {mb} as {tuple(meta[0])} {meta[1]}; fix input_args or the batch"
                 )
-        for a in batch:
-            if a.kind in RECVS and (a.kind, a.stage, a.microbatch) not in self.pending:
-                self._post_recv(a)
+        for t in batch.recvs:
+            if t.pending not in self.pending:
+                self._post_recv(t)
+        self._prefetch(batch.prefetch)
 
-    def _post_recv(self, a: Action) -> None:
+    def _post_recv(self, t: Transfer) -> None:
         """Start one receive into a fresh buffer; ``_received`` waits for it."""
-        key = (a.stage, a.microbatch)
-        if a.kind == Kind.RECV_F:
-            shape, dtype = self.recv_meta[key]
-            buf = torch.empty(shape, dtype=dtype, device=self.stages[a.stage].device)
-            src, tag = (a.stage - 1) % self.world, self._tag(Action(a.stage - 1, a.microbatch, a.kind), False)
+        if t.kind is Kind.RECV_F:
+            shape, dtype = self.recv_meta[t.key]
+            buf = torch.empty(shape, dtype=dtype, device=self.stages[t.key[0]].device)
         else:
-            out = self.outputs[key]
-            buf = torch.empty_like(out)
-            src, tag = (a.stage + 1) % self.world, self._tag(a, True)
-        with p2p_context(a.describe()):
-            self.pending[(a.kind, a.stage, a.microbatch)] = (irecv(buf, group=self.group, group_src=src, tag=tag), buf)
+            buf = torch.empty_like(self.outputs[t.key])
+        self.pending[t.pending] = (start_checked("recv", buf, self.group, t.peer, t.tag, t.label), buf)
 
-    def _prefetch(self, start: int) -> None:
-        """Post the program's next receive after ``start`` early, if its buffer's shape is known by now.
+    def _prefetch(self, t: Transfer | None) -> None:
+        """Post ``t``, the program's next receive after a run of transfers, early if its buffer's shape is known by now.
 
         The peer's matching send can then complete while this rank computes
         (a Gloo send waits for the receiver to post), instead of only once this
         rank reaches that receive. One receive ahead keeps 1F1B's bound on live
         activations (at most one buffer more).
         """
-        for a in self.program[start:]:
-            if a.kind not in RECVS:
-                continue
-            key = (a.stage, a.microbatch)
-            known = key in self.recv_meta if a.kind == Kind.RECV_F else key in self.outputs
-            if known and (a.kind, a.stage, a.microbatch) not in self.pending:
-                self._post_recv(a)
+        if t is None:
             return
+        known = t.key in self.recv_meta if t.kind is Kind.RECV_F else t.key in self.outputs
+        if known and t.pending not in self.pending:
+            self._post_recv(t)
 
     def _received(self, kind: Kind, stage: int, mb: int) -> torch.Tensor | None:
         item = self.pending.pop((kind, stage, mb), None)
@@ -249,7 +249,7 @@ class Runtime:
             self.final_outputs[mb] = out.detach()
             loss = self.loss_fn(out, self.targets_mb[mb])
             self.losses[mb] = loss.detach()
-            out = loss * self.scale if self.scale != 1.0 else loss
+            out = loss  # (scaled in _backward, through the gradient it starts from)
         self.inputs[(s, mb)] = x
         self.outputs[(s, mb)] = out
 
@@ -258,10 +258,15 @@ class Runtime:
         key = (s, mb)
         out = self.outputs[key]
         grad: torch.Tensor | None = None
-        if not self.stages[s].is_last:
+        if s != self.num_stages - 1:
             grad = self._received(Kind.RECV_B, s, mb)
             if grad is None:
                 grad = self.input_grads.pop((s + 1, mb))
+        elif self.scale != 1.0 and out.numel() == 1:
+            # the gradient of loss * scale, without that product's node in every microbatch's graph: the
+            # same values as its backward (ones times the scale, one mul kernel); a loss that is not a
+            # scalar keeps grad None, so backward raises torch's own error for it as before
+            grad = torch.ones_like(out).mul_(self.scale)
         x = self.inputs[key]
         wants_input = s > 0 and x.requires_grad
         if key in self.split_w:
@@ -310,27 +315,9 @@ class Runtime:
         self.losses: dict[int, torch.Tensor] = {}
         program, i = self.program, 0
         try:
-            while i < len(program):
-                a = program[i]
-                if a.kind in SENDS or a.kind in RECVS:
-                    j = i
-                    while j < len(program) and (program[j].kind in SENDS or program[j].kind in RECVS):
-                        j += 1
-                    self._post(list(program[i:j]))
-                    self._prefetch(j)
-                    i = j
-                    continue
-                if a.kind == Kind.F:
-                    self._forward(a)
-                elif a.kind == Kind.B:
-                    if a.stage in self.last_backward:  # FSDP: reduce once, in the stage's last backward
-                        self.stages[a.stage].submod.set_requires_gradient_sync(i == self.last_backward[a.stage])  # type: ignore[operator]
-                    self._backward(a)
-                else:
-                    self._weight(a)
-                if i in self.sync_at:
-                    self._reduce_grads(self.stages[self.sync_at[i]])
-                i += 1
+            for i, run, arg in self.plan:  # noqa: B007  (i: where an error happened, for the handler below)
+                run(self, arg)
+            i = len(program)
             for work in self.sends:
                 work.wait()
         except Exception as error:

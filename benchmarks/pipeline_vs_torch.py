@@ -6,7 +6,8 @@
 One model of 8 blocks (Linear, ReLU, Linear, ReLU) is cut into 4 stages (2
 blocks each; interleaved_1f1b: 8 stages of 1 block, 2 per rank). For each
 schedule the run first measures every stage's forward, backward, and split
-backward (B: input gradient, W: weight gradient) on one microbatch, one rank
+backward (B: input gradient, W: weight gradient) on one microbatch (the last
+stage's with its loss, which a step computes there too), one rank
 at a time so that each has a core, gives those per-stage costs to
 ``spmd.pipeline.simulate`` for a predicted step time (the simulator gives
 each rank a core; on a host with fewer cores than ranks the prediction is
@@ -43,18 +44,24 @@ def make_blocks(width: int, n: int) -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU()) for _ in range(n)]
 
 
-def stage_costs(module: nn.Module, x: torch.Tensor, reps: int) -> dict[str, float]:
-    """Median seconds of forward, full backward, and split backward (B, W) of ``module`` on ``x``."""
+def stage_costs(module: nn.Module, x: torch.Tensor, reps: int, target: torch.Tensor | None = None) -> dict[str, float]:
+    """Median seconds of forward, full backward, and split backward (B, W) of ``module`` on ``x``; with
+    ``target`` (the last stage) the forward includes the loss and the backward starts from it, as in a step."""
     params = [p for p in module.parameters()]
+
+    def forward(inp: torch.Tensor) -> torch.Tensor:
+        out = module(inp)
+        return out if target is None else F.mse_loss(out, target)
+
     f, b, bi, w = [], [], [], []
     for _ in range(reps):
         inp = x.detach().requires_grad_(True)
         t0 = time.perf_counter()
-        out = module(inp)
+        out = forward(inp)
         t1 = time.perf_counter()
         out.backward(torch.ones_like(out))
         t2 = time.perf_counter()
-        out = module(inp)
+        out = forward(inp)
         t3 = time.perf_counter()
         torch.autograd.grad(out, [inp], torch.ones_like(out), retain_graph=True)
         t4 = time.perf_counter()
@@ -81,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
     blocks = make_blocks(width, 2 * world)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
-    mb_x = x[: batch // m]
+    mb_x, mb_y = x[: batch // m], y[: batch // m]
 
     def run_rounds(step: Any, zero: Any) -> list[float]:
         times = []
@@ -116,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
         for r in range(world):  # one rank at a time: each measurement has a core to itself
             tdist.barrier()
             if r == rank:
-                local = {s: stage_costs(pieces[s], mb_x, args.cost_reps) for s in mine}
+                local = {s: stage_costs(pieces[s], mb_x, args.cost_reps, mb_y if s == n_stages - 1 else None) for s in mine}
         gathered: list[Any] = [None] * world
         tdist.all_gather_object(gathered, local)
         costs = {s: c for d in gathered for s, c in d.items()}

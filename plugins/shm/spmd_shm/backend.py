@@ -59,9 +59,11 @@ class ShmBackend(Backend):
 
     # -- point-to-point -----------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> ShmWork:
-        eng = self.engine
+        eng, data = self.engine, _bytes(tensor)
+        if eng.send_now(data, dst, tag):
+            return eng.completed
         work = eng.new_work()
-        return eng.submit("send", work, (dst, eng.rings.send_steps(work, _bytes(tensor), dst, tag)))
+        return eng.submit("send", work, (dst, eng.rings.send_steps(work, data, dst, tag)))
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> ShmWork:
         eng = self.engine

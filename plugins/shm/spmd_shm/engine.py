@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from spmd.comm.backend import BackendContext
 from spmd.comm.threads import one_torch_thread
 from spmd.errors import CollectiveError
@@ -89,6 +91,9 @@ class Engine:
         self._last_use = 0.0  # time.monotonic() of the program's last submit or drive
         self._wake = threading.Event()  # set by kick(): the background thread's park or tick ends early
         self._seen = 0  # self.moves at the background thread's last pass
+        #: What an op that completed inside its call returns (a finished work holds no per-op state).
+        self.completed = ShmWork(self, 0.0)
+        self.completed.done = True
         self._thread = threading.Thread(target=self._loop, name=f"spmd-shm-{ctx.group_name}", daemon=True)
         self._thread.start()
 
@@ -133,6 +138,24 @@ class Engine:
                         self.rings.drain(payload.src)
             except BaseException as error:  # noqa: BLE001 - as in _body
                 self.fail_all(error)
+            return True
+        finally:
+            self._lock.release()
+
+    def send_now(self, data: torch.Tensor, dst: int, tag: int) -> bool:
+        """Write a message that fits one packet straight into the ring to ``dst``, here in the caller's
+        thread, when the ring has room and no earlier send to ``dst`` is queued (the common small send:
+        no generator, no queue); False if it must be queued instead."""
+        if self._inbox or self._sends[dst] or data.numel() > self.seg.layout.packet_bytes or self.broken is not None:
+            return False
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._inbox or self._sends[dst] or not self.rings.has_room(dst):
+                return False
+            self._last_use = time.monotonic()
+            with one_torch_thread():
+                self.rings.write_packet(data, dst, tag, 0)
             return True
         finally:
             self._lock.release()

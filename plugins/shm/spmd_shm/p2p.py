@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -91,26 +92,36 @@ class Rings:
         self.waiting: list[Recv] = []
         self._next_check = 0.0  # time.monotonic() of the next check_recvs that looks
         self._views: dict[tuple[int, int], torch.Tensor] = {}
+        self._ranks = [[q] for q in range(n)]  # [q], made once (a gate's rank list)
 
     def send_steps(self, work: ShmWork, data: torch.Tensor, dst: int, tag: int) -> Steps:
         """Copy ``data`` (bytes) into the ring to ``dst`` packet by packet, waiting for free packets."""
-        lay, mm = self.lay, self.seg.mm
         total, sent, first = data.numel(), 0, True
-        consumed, k_max = self.out_consumed[dst], lay.packets
+        consumed, k_max = self.out_consumed[dst], self.lay.packets
         while first or sent < total:
             first = False
             if self.sent[dst] - consumed.value >= k_max:  # the ring is full: wait for the receiver
                 what = f"send to {self.peers.label[dst]} (tag {tag}, {total} bytes)"
                 yield from self.peers.wait_for(work, lambda: [dst] if self.sent[dst] - consumed.value >= k_max else [], what)
-            off = lay.packet_at(self.me, dst, self.sent[dst] % k_max)
-            length = min(lay.packet_bytes, total - sent)
-            _HEADER.pack_into(mm, off, tag, total, sent, length)
-            if length:
-                self._payload(off, length).copy_(data if length == total else data[sent : sent + length])
-            self.sent[dst] += 1
-            self.out_produced[dst].value = self.sent[dst]
-            self._notify((dst,))
-            sent += length
+            sent += self.write_packet(data, dst, tag, sent)
+
+    def has_room(self, dst: int) -> bool:
+        """Whether the ring to ``dst`` has a free packet."""
+        return self.sent[dst] - self.out_consumed[dst].value < self.lay.packets
+
+    def write_packet(self, data: torch.Tensor, dst: int, tag: int, sent: int) -> int:
+        """Copy the packet of ``data`` (bytes) that starts at byte ``sent`` into the ring to ``dst``, which
+        has room, and publish it; returns its payload length."""
+        lay, total, k = self.lay, data.numel(), self.sent[dst]
+        off = lay.packet_at(self.me, dst, k % lay.packets)
+        length = min(lay.packet_bytes, total - sent)
+        _HEADER.pack_into(self.seg.mm, off, tag, total, sent, length)
+        if length:
+            self._payload(off, length).copy_(data if length == total else data[sent : sent + length])
+        self.sent[dst] = k + 1
+        self.out_produced[dst].value = k + 1
+        self._notify((dst,))
+        return length
 
     def _payload(self, off: int, length: int) -> torch.Tensor:
         """The first ``length`` payload bytes of the packet at ``off`` (views cached: slicing costs a
@@ -137,6 +148,7 @@ class Rings:
                 return
         self._posted[src].append(recv)
         self.waiting.append(recv)
+        recv.work.gate = self._gate(src)
 
     def _match(self, src: int, tag: int, total: int) -> Recv | _Stash:
         posted = self._posted[src]
@@ -172,7 +184,16 @@ class Rings:
                 target.complete()
         self.in_consumed[src].value = self.received[src]
         self._notify((src,))
+        if self._posted[src]:  # still waiting: their callers poll for the next packet alone
+            gate = self._gate(src)
+            for recv in self._posted[src]:
+                recv.work.gate = gate
         return True
+
+    def _gate(self, src: int) -> tuple[list[Any], list[int], int]:
+        """A recv from ``src`` can move once ``src`` produced a packet past those taken (see ``ShmWork.gate``):
+        a caller waiting for it polls that one word between full passes of the engine."""
+        return (self.in_produced, self._ranks[src], self.received[src] + 1)
 
     def _missing(self, recv: Recv) -> Callable[[], list[int]]:
         """``[src]`` while ``recv`` still waits for its sender (after taking what the sender wrote)."""

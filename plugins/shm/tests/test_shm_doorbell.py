@@ -104,4 +104,4 @@ def test_the_spin_shrinks_while_the_peer_is_far_behind_and_grows_back_when_it_is
     after_late, last, right = spmd_world(2, "shm").run(spin_after_late_then_in_step, 8, 0.01, 3000)[0]
     assert right
     assert after_late == OVERSUBSCRIBED_SPIN_SECONDS, after_late  # (at most 100 us) halved 8 times: the floor
-    assert last > 4 * OVERSUBSCRIBED_SPIN_SECONDS, last  # in step: a short sleep doubled it back up
+    assert last > OVERSUBSCRIBED_SPIN_SECONDS, last  # in step: a short sleep made it longer again

@@ -27,7 +27,7 @@ from spmd.errors import CollectiveError
 from spmd_shm import futex
 from spmd_shm.doorbell import LEAVING, Doorbells, fence
 from spmd_shm.p2p import Rings
-from spmd_shm.peers import Peers, Steps, usable_cpus
+from spmd_shm.peers import Peers, Steps, any_below, usable_cpus
 from spmd_shm.rounds import Rounds
 from spmd_shm.segment import BROKEN, CLOSED, Segment
 from spmd_shm.work import ShmWork
@@ -50,15 +50,6 @@ TICK = 0.005
 #: Seconds between full progress passes while a waiting caller polls its op's gate (see ``ShmWork.gate``):
 #: the other queued ops, incoming messages and the op's own deadline checks move at least this often.
 GATED_POLL = 50e-6
-
-
-def _closed(gate: tuple[list[Any], list[int], int]) -> bool:
-    """Whether an op's gate still holds it: some awaited counter is below the value it waits for."""
-    words, ranks, at_least = gate
-    for q in ranks:
-        if words[q].value < at_least:
-            return True
-    return False
 
 
 class Engine:
@@ -263,7 +254,7 @@ class Engine:
             while not work.done:
                 bell = bells.snapshot()
                 gate = work.gate
-                if gate is not None and _closed(gate) and time.monotonic() < full_poll_at:
+                if gate is not None and any_below(*gate) and time.monotonic() < full_poll_at:
                     continue  # (the op's counters alone: a poll in a fraction of a microsecond)
                 moved = self.try_progress()
                 if work.done:

@@ -26,6 +26,15 @@ CHECK_PERIOD = 50e-6
 Steps = Generator[None, None, Any]
 
 
+def any_below(words: list[Any], ranks: list[int], at_least: int) -> bool:
+    """Whether some ``words[q]`` (q in ``ranks``) is still below ``at_least``: the check before, and
+    between, waits on the peers' counters (a plain loop: cheaper than a generator expression)."""
+    for q in ranks:
+        if words[q].value < at_least:
+            return True
+    return False
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask where the OS has one)."""
     try:

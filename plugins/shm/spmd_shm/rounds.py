@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from spmd_shm.peers import Peers, Steps
+from spmd_shm.peers import Peers, Steps, any_below
 from spmd_shm.segment import ACK, ARRIVE, REDUCED, Segment
 from spmd_shm.work import ShmWork
 
@@ -51,12 +51,9 @@ class Rounds:
         return r
 
     def lagging(self, words: list[Any], at_least: int) -> bool:
-        """Whether another rank's counter in ``words`` is still below ``at_least`` (the check before a wait:
-        in step, the ranks never wait, and a plain loop is cheaper than starting the wait's generator)."""
-        for q in self.others:
-            if words[q].value < at_least:
-                return True
-        return False
+        """Whether another rank's counter in ``words`` is still below ``at_least`` (checked before a wait:
+        in step the ranks never wait, and then no wait's generator is started)."""
+        return any_below(words, self.others, at_least)
 
     def publish(self, r: int) -> None:
         """This rank's slot for round ``r`` is written: readers may go."""

@@ -31,7 +31,9 @@ def enrich(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def tables(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> str:
     """One table per op; a block of columns per backend; time relative to the first backend.
 
-    ``median`` is back to back; ``after work`` the median of calls made after a barrier and 1 ms idle.
+    ``median`` is back to back; ``after work`` the median of calls made after a barrier and 1 ms idle;
+    ``of copy_`` the algorithm bandwidth as a fraction of a one-process ``copy_`` of the same size
+    measured in the same run (memory's speed on this machine: 1.0 is a collective as fast as a copy).
     """
     lines = []
     ops = list(dict.fromkeys(r["op"] for r in rows))
@@ -45,7 +47,7 @@ def tables(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> str:
         lines.append(f"\n{op}  ({world} ranks{each}; busbw factor {bus_factor(op, world):.3g}; times in us, bandwidths in GB/s)")
         header = f"{'size':>9}"
         for i, b in enumerate(present):
-            header += f" | {b + ' median':>14} {'min':>8} {'max':>8} {'algbw':>7} {'busbw':>7} {'after work':>10}"
+            header += f" | {b + ' median':>14} {'min':>8} {'max':>8} {'algbw':>7} {'busbw':>7} {'after work':>10} {'of copy_':>8}"
             if i:
                 header += f" {'x ' + present[0]:>9}"
             if any("raw_median_s" in r for r in rows if r["backend"] == b):
@@ -57,11 +59,13 @@ def tables(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> str:
             for i, b in enumerate(present):
                 r = index.get((b, op, size))
                 if r is None:
-                    line += " | " + "-".rjust(14) + " " * 47
+                    line += " | " + "-".rjust(14) + " " * 56
                     continue
                 line += f" | {r['median_s'] * 1e6:14.1f} {r['min_s'] * 1e6:8.1f} {r['max_s'] * 1e6:8.1f} {r['algbw_gbs']:7.3f} {r['busbw_gbs']:7.3f}"
                 after = r.get("after_work_median_s")
                 line += f" {after * 1e6:10.1f}" if after is not None else " " * 11
+                copy = r.get("copy_median_s")
+                line += f" {copy / r['median_s']:8.3f}" if copy else " " * 9
                 if i:
                     line += f" {r['median_s'] / first['median_s']:9.3f}" if first else " " * 10
                 if "raw_median_s" in r:
@@ -72,7 +76,7 @@ def tables(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> str:
 
 def to_csv(rows: Sequence[dict[str, Any]]) -> str:
     buffer = io.StringIO()
-    fields = ["backend", "op", "bytes", "world_size", "threads", "median_s", "min_s", "max_s", "n", "algbw_gbs", "busbw_gbs", "after_work_median_s", "raw_median_s", "ratio_vs_raw"]
+    fields = ["backend", "op", "bytes", "world_size", "threads", "median_s", "min_s", "max_s", "n", "algbw_gbs", "busbw_gbs", "after_work_median_s", "copy_median_s", "raw_median_s", "ratio_vs_raw"]
     writer = csv.DictWriter(buffer, fieldnames=fields, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)

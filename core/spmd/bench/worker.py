@@ -59,6 +59,7 @@ def run(backend: str, ops: list[str], sizes: list[int], budget_s: float, vs_raw:
         store = tdist.PrefixStore("bench-raw/", get_state().store)
         raw_all = raw_peer(backend, PeerContext(rank, world, store, 120.0))
     results = []
+    copy_s: dict[int, float] = {}
     for op in ops:
         if op == "sendrecv" and world < 2:
             continue
@@ -75,10 +76,13 @@ def run(backend: str, ops: list[str], sizes: list[int], budget_s: float, vs_raw:
             logs = time_interleaved(sides, iters, sync=spmd.barrier)
             after_iters = iterations_for(_agree_max(start) + AFTER_WORK_IDLE_S, budget_s / len(sides), lo=5, hi=100)
             after = time_after_work(ours, after_iters, spmd.barrier)
+            if nbytes not in copy_s:
+                copy_s[nbytes] = _copy_reference(nbytes, budget_s / 4, rank)
             scale = 0.5 if op == "sendrecv" else 1.0  # ping-pong: report one direction
             row: dict[str, Any] = {"backend": backend, "op": op, "bytes": nbytes, "world_size": world, "threads": torch.get_num_threads()}
             row.update({k: (v * scale if k != "n" else v) for k, v in summarize(logs[0]).items()})
             row["after_work_median_s"] = summarize(after)["median_s"] * scale
+            row["copy_median_s"] = copy_s[nbytes]
             if raw is not None:
                 raw_stats = summarize(logs[1])
                 row["raw_median_s"] = raw_stats["median_s"] * scale
@@ -87,6 +91,22 @@ def run(backend: str, ops: list[str], sizes: list[int], budget_s: float, vs_raw:
     if progress and rank == 0:
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
     return results
+
+
+def _copy_reference(nbytes: int, budget_s: float, rank: int) -> float:
+    """Median seconds of a ``copy_`` of ``nbytes`` between two private tensors on rank 0, in this
+    process's torch threads, while the other ranks wait: what memory alone allows, measured in the
+    same run as the ops it is compared with (``of copy_`` in the tables)."""
+    median = 0.0
+    if rank == 0:
+        src = torch.ones(max(1, nbytes // 4), dtype=torch.float32)  # the ops' dtype (torch copies uint8 slower)
+        dst = torch.empty_like(src)
+        call = lambda: dst.copy_(src)  # noqa: E731
+        call()
+        iters = iterations_for(spmd_time(call), budget_s, lo=5, hi=200)
+        median = summarize(time_interleaved([call], iters)[0])["median_s"]
+    spmd.barrier()
+    return median
 
 
 def spmd_time(call: Callable[[], object]) -> float:

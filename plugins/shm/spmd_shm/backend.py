@@ -74,7 +74,13 @@ class ShmBackend(Backend):
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> ShmWork:
-        return self._collective(collectives.all_reduce, tensor if tensor.dim() == 1 else tensor.view(-1), op)
+        flat = tensor if tensor.dim() == 1 else tensor.view(-1)
+        eng = self.engine
+        if collectives.is_small(eng.rounds, flat):
+            done = eng.run_now(lambda: collectives.small_all_reduce(eng.rounds, flat, op, eng.inline_wait))
+            if done is not None:
+                return done
+        return self._collective(collectives.all_reduce, flat, op)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> ShmWork:
         return self._collective(collectives.broadcast, tensor.view(-1), src)

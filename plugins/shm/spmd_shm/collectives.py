@@ -10,12 +10,14 @@ chunk i+1 does not wait for the slowest reader of chunk i.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
 from spmd.comm.reduce_op import ReduceOp, finish_avg, reduce_into
 from spmd.errors import CollectiveError
-from spmd_shm.peers import Steps
+from spmd_shm.peers import Steps, any_below
 from spmd_shm.rounds import Rounds
 from spmd_shm.work import ShmWork
 
@@ -96,7 +98,7 @@ def _chunk(eng: Rounds, element_size: int, blocks: int = 1) -> int:
 def all_reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> Steps:
     """Every rank reduces every chunk whole; from ``SPLIT_BYTES`` on ``SPLIT_RANKS``: reduce-scatter + all-gather."""
     total = flat.numel() * flat.element_size()
-    split = eng.n >= max(2, SPLIT_RANKS) and total >= SPLIT_BYTES and flat.numel() >= eng.n * _LINE
+    split = _splits(eng, flat, total)
     name = _SPLIT if split else "all_reduce"  # signed: ranks that chose different paths get a named error
     per = _chunk(eng, flat.element_size())
     for start in range(0, flat.numel(), per):
@@ -116,28 +118,95 @@ def all_reduce(eng: Rounds, work: ShmWork, flat: torch.Tensor, op: ReduceOp) -> 
         finish_avg(flat, op, eng.n)
 
 
-def _whole_round(eng: Rounds, work: ShmWork, piece: torch.Tensor, op: ReduceOp, total: int) -> Steps:
-    """One round of the whole path: write ``piece``, publish, reduce every rank's slot into it in rank order.
+def _splits(eng: Rounds, flat: torch.Tensor, total: int) -> bool:
+    """Whether ``all_reduce`` takes the split path for ``flat`` (``SPLIT_BYTES``, ``SPLIT_RANKS``)."""
+    return eng.n >= max(2, SPLIT_RANKS) and total >= SPLIT_BYTES and flat.numel() >= eng.n * _LINE
 
-    The path of every small all_reduce, so written flat: ranks in step never wait, and then this is
-    a handful of shared-word stores and loads, one copy and n - 1 reductions (no generator is started
-    for a wait that is not needed, no view is sliced twice).
-    """
-    r = eng.round = eng.round + 1
+
+def is_small(eng: Rounds, flat: torch.Tensor) -> bool:
+    """Whether ``small_all_reduce`` may take ``flat``: one whole-path round (what ``all_reduce`` would do)
+    of at most ``SMALL_BYTES``."""
+    total = flat.numel() * flat.element_size()
+    return total <= SMALL_BYTES and total <= eng.lay.slot_bytes and not _splits(eng, flat, total)
+
+
+def _whole_round(eng: Rounds, work: ShmWork, piece: torch.Tensor, op: ReduceOp, total: int) -> Steps:
+    """One round of the whole path: write ``piece``, publish, reduce every rank's slot into it in rank order
+    (a wait's generator is started only when a peer is behind: ranks in step never wait)."""
+    r = eng.round + 1
     if r > 2 and eng.lagging(eng.ack, r - 2):
+        eng.round = r
         yield from eng.peers.wait_counters(work, eng.ack, eng.others, r - 2, "all_reduce")
-    me, parity, count, dtype = eng.me, r & 1, piece.numel(), piece.dtype
-    eng.view(me, r, dtype, 0, count).copy_(piece)
-    nbytes = count * piece.element_size()
-    eng.slot_size[me][parity].value = nbytes
-    eng.slot_sig[me][parity].value = (_CODES["all_reduce"] << 56) | total
-    eng.publish(r)
+    _publish_whole(eng, r, piece, total)
     if eng.lagging(eng.arrive, r):
         yield from eng.await_arrival(work, r, eng.others, "all_reduce")
-    _check_sizes(eng, r, eng.others, nbytes, "all_reduce", total)
+    _reduce_whole(eng, r, piece, op, total)
+
+
+def small_all_reduce(eng: Rounds, flat: torch.Tensor, op: ReduceOp, wait_s: float) -> Callable[[ShmWork], Steps] | None:
+    """A one-round all_reduce run as a plain call, in the caller's thread (``Engine.run_now``): None once
+    it is done (its peers arrived within ``wait_s`` seconds of this rank's publish: no generator, no work
+    object, no queue, no wait loop), else the rest of it, to be queued as the generator of a work. Small
+    tensors only (``SMALL_BYTES``: no torch intra-op threads start for them)."""
+    total = flat.numel() * flat.element_size()
+    r = eng.round + 1
+    if r > 2 and any_below(eng.ack, eng.others, r - 2):  # this rank's slot is still being read: the general path
+        return lambda work: all_reduce(eng, work, flat, op)
+    _publish_whole(eng, r, flat, total)
+    if any_below(eng.arrive, eng.others, r):
+        until = time.perf_counter() + wait_s
+        while any_below(eng.arrive, eng.others, r):
+            if time.perf_counter() >= until:
+                return lambda work: _finish_small(eng, work, r, flat, op, total)
+    _reduce_whole(eng, r, flat, op, total)
+    if op is ReduceOp.AVG:
+        finish_avg(flat, op, eng.n)
+    return None
+
+
+def _finish_small(eng: Rounds, work: ShmWork, r: int, flat: torch.Tensor, op: ReduceOp, total: int) -> Steps:
+    """The rest of ``small_all_reduce`` when a peer had not yet arrived."""
+    yield from eng.await_arrival(work, r, eng.others, "all_reduce")
+    _reduce_whole(eng, r, flat, op, total)
+    if op is ReduceOp.AVG:
+        finish_avg(flat, op, eng.n)
+
+
+#: The largest tensor (bytes) ``small_all_reduce`` takes: below torch's parallel grain (32768 elements
+#: of at least a byte), so its copy and reduction run serially without ``one_torch_thread``.
+SMALL_BYTES = 32 << 10
+
+
+def _publish_whole(eng: Rounds, r: int, piece: torch.Tensor, total: int) -> None:
+    """Round ``r`` of the whole path: ``piece`` into this rank's slot, signed, published."""
+    eng.round = r
+    me, parity, count = eng.me, r & 1, piece.numel()
+    eng.view(me, r, piece.dtype, 0, count).copy_(piece)
+    eng.slot_size[me][parity].value = count * piece.element_size()
+    eng.slot_sig[me][parity].value = (_CODES["all_reduce"] << 56) | total
+    eng.publish(r)
+
+
+def _reduce_whole(eng: Rounds, r: int, piece: torch.Tensor, op: ReduceOp, total: int) -> None:
+    """Round ``r`` of the whole path, every peer arrived: check their slots, reduce them into ``piece``
+    in rank order, ack."""
+    count, dtype, parity = piece.numel(), piece.dtype, r & 1
+    nbytes, sig = count * piece.element_size(), (_CODES["all_reduce"] << 56) | total
+    for q in eng.others:  # (the common case inline: _check_sizes names what differs)
+        if eng.slot_size[q][parity].value != nbytes or eng.slot_sig[q][parity].value != sig:
+            _check_sizes(eng, r, eng.others, nbytes, "all_reduce", total)
+    direct = op is ReduceOp.SUM and dtype in _PLAIN_SUM
     for q in _whole_order(eng, piece, r):
-        reduce_into(piece, eng.view(q, r, dtype, 0, count), op)
+        if direct:
+            piece.add_(eng.view(q, r, dtype, 0, count))
+        else:
+            reduce_into(piece, eng.view(q, r, dtype, 0, count), op)
     eng.finish_round(r)
+
+
+#: dtypes whose SUM ``reduce_into`` computes as a plain ``add_`` (the small path calls it directly).
+_PLAIN_SUM = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
+                        torch.int32, torch.int64, torch.uint8, torch.complex64, torch.complex128})
 
 
 def _whole_order(eng: Rounds, piece: torch.Tensor, r: int) -> list[int]:

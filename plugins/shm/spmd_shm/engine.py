@@ -16,7 +16,7 @@ import collections
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -133,6 +133,34 @@ class Engine:
         finally:
             self._lock.release()
 
+    def run_now(self, start: Callable[[], Callable[[ShmWork], Steps] | None]) -> ShmWork | None:
+        """Run a small collective's plain ``start`` here, in the caller's thread, when no other collective
+        is queued and no thread is progressing: ``self.completed`` if it finished (no work object, no
+        generator, no queue), else a work whose generator is the rest ``start`` returned, queued. None
+        (nothing run) if the op must take the general path (``submit``)."""
+        if self._inbox or self._collectives or self.broken is not None:
+            return None
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            if self._inbox or self._collectives:
+                return None
+            self._last_use = time.monotonic()
+            try:
+                rest = start()
+            except BaseException as error:  # noqa: BLE001 - as in _advance: the waiter gets it, the group is done
+                work = self.new_work()
+                work.finish(error)
+                self.fail_all(error)
+                return work
+            if rest is None:
+                return self.completed
+            work = self.new_work()
+            self._collectives.append((work, rest(work)))
+            return work
+        finally:
+            self._lock.release()
+
     def send_now(self, data: torch.Tensor, dst: int, tag: int) -> bool:
         """Write a message that fits one packet straight into the ring to ``dst``, here in the caller's
         thread, when the ring has room and no earlier send to ``dst`` is queued (the common small send:
@@ -150,6 +178,14 @@ class Engine:
             return True
         finally:
             self._lock.release()
+
+    @property
+    def inline_wait(self) -> float:
+        """Seconds a small op started in the caller's thread polls for its peers before it is queued as a
+        work (whose waiter then polls and sleeps, ``drive``): the adaptive spin, at most ``GATED_POLL``
+        (an op submitted asynchronously returns at most that late; its deadline and the peers' health
+        need no check so soon)."""
+        return min(self.spin, GATED_POLL)
 
     @property
     def drivers(self) -> int:

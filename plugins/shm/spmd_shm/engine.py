@@ -27,7 +27,7 @@ from spmd.errors import CollectiveError
 from spmd_shm import futex
 from spmd_shm.doorbell import LEAVING, Doorbells, fence
 from spmd_shm.p2p import Rings
-from spmd_shm.peers import Peers, Steps, any_below, usable_cpus
+from spmd_shm.peers import Peers, Steps, any_below, runnable_tasks, usable_cpus
 from spmd_shm.rounds import Rounds
 from spmd_shm.segment import BROKEN, CLOSED, Segment
 from spmd_shm.work import ShmWork
@@ -61,7 +61,8 @@ class Engine:
         peers = self.peers = Peers(ctx, segment)
         n, me = self.n, self.me = peers.n, peers.me
         self.others = peers.others
-        self._spin_max = SPIN_SECONDS if n <= usable_cpus() else min(SPIN_SECONDS, OVERSUBSCRIBED_SPIN_SECONDS)
+        self._cpus = usable_cpus()
+        self._spin_max = SPIN_SECONDS if n <= self._cpus else min(SPIN_SECONDS, OVERSUBSCRIBED_SPIN_SECONDS)
         self._spin_min = min(self._spin_max, OVERSUBSCRIBED_SPIN_SECONDS)
         self.spin = self._spin_max  # seconds a waiting caller polls before it sleeps (adapted per wait)
         self.bells = Doorbells(segment, n, me)
@@ -319,12 +320,19 @@ class Engine:
 
     def _adapt_spin(self, waited: float) -> None:
         """After a wait that ended asleep: had it ended within the longest spin, spin about twice that
-        long next time (a wake-up costs more than the spin would have); if not, the peers are far
-        away or have no core to run on (other processes share the CPUs), and half the spin, down to
-        almost none, leaves the core to them (a 4 B all_reduce on 2 ranks with a third process busy
-        on the 2-core host: 236 us spinning 100 us each wait, ~Gloo's 70 us sleeping at once)."""
+        long next time (a wake-up costs more than the spin would have). If not, the peers were late;
+        where more tasks are runnable than this process has CPUs, others need the cores, and half the
+        spin, down to almost none, leaves the core to them (a 4 B all_reduce on 2 ranks with a third
+        process busy on the 2-core host: 236 us spinning 100 us each wait, ~Gloo's 70 us sleeping at
+        once); where a core is idle anyway, spinning costs nobody anything and the spin stays long (a
+        wait whose sleep took longer than the spin, the wake-up itself, must not shrink it: once
+        short, every wait would sleep and the spin would never recover)."""
         if waited < self._spin_max:
             self.spin = min(self._spin_max, max(self.spin, 2 * waited))
+            return
+        runnable = runnable_tasks()
+        if runnable is not None and runnable <= self._cpus:
+            self.spin = self._spin_max
         else:
             self.spin = max(self._spin_min, self.spin / 2)
 

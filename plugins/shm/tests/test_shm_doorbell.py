@@ -7,6 +7,7 @@ import statistics
 import threading
 import time
 
+import pytest
 import torch
 
 import spmd
@@ -73,35 +74,71 @@ def test_a_rank_asleep_on_its_doorbell_is_woken_by_the_late_peer(spmd_world) -> 
     assert lateness < 0.008, f"rank 0 returned {lateness * 1e3:.1f} ms after its late peer's call"
 
 
-def spin_after_late_then_in_step(late_rounds: int, delay: float, in_step_rounds: int) -> tuple[float, float, bool]:
+def spin_after_late_then_in_step(late_rounds: int, delay: float, in_step_rounds: int, runnable: int | None) -> tuple[float, float, bool]:
     """Rank 1 is ``delay`` s late for ``late_rounds`` all_reduces, then both ranks run ``in_step_rounds`` back to
-    back: rank 0's spin (seconds) after the late ones and at the end, and whether every sum was right."""
+    back: rank 0's spin (seconds) after the late ones and at the end, and whether every sum was right.
+    ``runnable``: the host's runnable task count the engine reads (None: the real one)."""
     from spmd.comm.collectives import route
+    from spmd_shm import engine as engine_module
 
     me = spmd.get_rank()
     engine = route(None, torch.ones(1), "tensor", "all_reduce")[1].engine
+    real = engine_module.runnable_tasks
+    if runnable is not None:
+        engine_module.runnable_tasks = lambda: runnable
     right = True
-    for i in range(late_rounds):
-        spmd.barrier()
-        if me == 1:
-            time.sleep(delay)
-        t = torch.tensor([float(i + me)])
-        spmd.all_reduce(t)
-        right &= t.item() == 2 * i + 1
-    after_late = engine.spin
-    for i in range(in_step_rounds):
-        t = torch.tensor([float(i * me)])
-        spmd.all_reduce(t)
-        right &= t.item() == i
+    try:
+        for i in range(late_rounds):
+            spmd.barrier()
+            if me == 1:
+                time.sleep(delay)
+            t = torch.tensor([float(i + me)])
+            spmd.all_reduce(t)
+            right &= t.item() == 2 * i + 1
+        after_late = engine.spin
+        for i in range(in_step_rounds):
+            t = torch.tensor([float(i * me)])
+            spmd.all_reduce(t)
+            right &= t.item() == i
+    finally:
+        engine_module.runnable_tasks = real
     return after_late, engine.spin, right
 
 
-def test_the_spin_shrinks_while_the_peer_is_far_behind_and_grows_back_when_it_is_close(spmd_world) -> None:
-    """A waiter that keeps sleeping long spins less and less (its core is left to others); once waits are
-    short again, a sleep that a longer spin would have avoided makes the spin longer again."""
+def test_on_a_busy_host_the_spin_shrinks_while_the_peer_is_far_behind_and_grows_back_when_it_is_close(spmd_world) -> None:
+    """More tasks runnable than CPUs: a waiter that keeps sleeping long spins less and less (its core is left to
+    the others); once waits are short again, a sleep that a longer spin would have avoided makes it longer again."""
     from spmd_shm.engine import OVERSUBSCRIBED_SPIN_SECONDS
 
-    after_late, last, right = spmd_world(2, "shm").run(spin_after_late_then_in_step, 8, 0.01, 3000)[0]
+    busy = 64  # runnable tasks: more than any test host's CPUs
+    after_late, last, right = spmd_world(2, "shm").run(spin_after_late_then_in_step, 8, 0.01, 3000, busy)[0]
     assert right
     assert after_late == OVERSUBSCRIBED_SPIN_SECONDS, after_late  # (at most 100 us) halved 8 times: the floor
     assert last > OVERSUBSCRIBED_SPIN_SECONDS, last  # in step: a short sleep made it longer again
+
+
+def test_with_an_idle_core_a_late_peer_leaves_the_spin_at_its_bound(spmd_world) -> None:
+    """As many runnable tasks as CPUs or fewer: spinning takes no one's core, so a late peer does not shrink the
+    spin (it once did, and a wait that outlasted the short spin by a slow wake-up kept it short for good)."""
+    from spmd_shm.engine import SPIN_SECONDS
+    from spmd_shm.peers import usable_cpus
+
+    if usable_cpus() < 2:
+        pytest.skip("2 ranks on 1 CPU are oversubscribed: their spin is bounded at almost none")
+    after_late, last, right = spmd_world(2, "shm").run(spin_after_late_then_in_step, 8, 0.01, 100, 1)[0]
+    assert right
+    assert after_late == SPIN_SECONDS and last == SPIN_SECONDS, (after_late, last)
+
+
+def test_runnable_tasks_is_the_fourth_field_of_proc_loadavg() -> None:
+    from spmd_shm.peers import runnable_tasks
+
+    try:
+        with open("/proc/loadavg") as f:
+            listed = f.read().split()[3]
+    except OSError:
+        assert runnable_tasks() is None
+        return
+    running, total = (int(x) for x in listed.split("/"))
+    counted = runnable_tasks()
+    assert counted is not None and 1 <= counted <= total  # (it changes between the two reads; this process runs)

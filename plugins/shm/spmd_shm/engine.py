@@ -327,6 +327,8 @@ class Engine:
         once); where a core is idle anyway, spinning costs nobody anything and the spin stays long (a
         wait whose sleep took longer than the spin, the wake-up itself, must not shrink it: once
         short, every wait would sleep and the spin would never recover)."""
+        if self._spin_max == self._spin_min:  # (more ranks than CPUs: nothing to adapt)
+            return
         if waited < self._spin_max:
             self.spin = min(self._spin_max, max(self.spin, 2 * waited))
             return

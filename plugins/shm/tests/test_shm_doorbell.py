@@ -111,9 +111,11 @@ def test_on_a_busy_host_the_spin_shrinks_while_the_peer_is_far_behind_and_grows_
     from spmd_shm.engine import OVERSUBSCRIBED_SPIN_SECONDS
 
     busy = 64  # runnable tasks: more than any test host's CPUs
-    after_late, last, right = spmd_world(2, "shm").run(spin_after_late_then_in_step, 8, 0.01, 3000, busy)[0]
+    after_late, last, right = spmd_world(2, "shm").run(spin_after_late_then_in_step, 12, 0.01, 3000, busy)[0]
     assert right
-    assert after_late == OVERSUBSCRIBED_SPIN_SECONDS, after_late  # (at most 100 us) halved 8 times: the floor
+    # (at most 100 us) halved 12 times: the floor, even if a short wait in a barrier between the late
+    # calls doubled it once or twice
+    assert after_late == OVERSUBSCRIBED_SPIN_SECONDS, after_late
     assert last > OVERSUBSCRIBED_SPIN_SECONDS, last  # in step: a short sleep made it longer again
 
 

@@ -10,6 +10,9 @@ A rank's block for itself is copied directly.
 
 from __future__ import annotations
 
+import functools
+import struct
+
 import torch
 
 from spmd.errors import CollectiveError
@@ -32,6 +35,12 @@ def region_bytes(slot_bytes: int, n: int) -> int:
     return per // 64 * 64 if per >= 64 else per
 
 
+@functools.lru_cache(maxsize=64)
+def _table_struct(n: int) -> struct.Struct:
+    """A split table: what a rank sends to, then expects from, each of ``n`` ranks (int64 bytes)."""
+    return struct.Struct(f"<{2 * n}q")
+
+
 def _offsets(sizes: list[int]) -> list[int]:
     out, at = [], 0
     for size in sizes:
@@ -40,7 +49,7 @@ def _offsets(sizes: list[int]) -> list[int]:
     return out
 
 
-def _disagreement(eng: Rounds, tables: list[list[int]]) -> str | None:
+def _disagreement(eng: Rounds, tables: list[tuple[int, ...]]) -> str | None:
     """The first pair of ranks whose splits disagree (q sends j other than j expects from q), or None."""
     n = eng.n
     for q in range(n):
@@ -62,11 +71,12 @@ def all_to_all_single(eng: Rounds, work: ShmWork, out: torch.Tensor, inp: torch.
     in_at, out_at = _offsets(in_bytes), _offsets(out_bytes)
     head, per = table_bytes(n), region_bytes(eng.lay.slot_bytes, n)
     mine = sum(in_bytes)
+    table = _table_struct(n)
     rounds, k = 1, 0
     while k < rounds:
         r = yield from eng.begin_round(work, _OP)
         if k == 0:
-            eng.view(me, r, torch.int64, 0, 2 * n).copy_(torch.tensor(in_bytes + out_bytes, dtype=torch.int64))
+            table.pack_into(eng.mm, eng.slot_data[me][r & 1], *in_bytes, *out_bytes)
         written = 0
         for j in eng.others:
             length = min(per, max(0, in_bytes[j] - k * per))
@@ -79,7 +89,7 @@ def all_to_all_single(eng: Rounds, work: ShmWork, out: torch.Tensor, inp: torch.
         yield from eng.await_arrival(work, r, eng.others, _OP)
         check_op(eng, r, eng.others, _OP, mine, same_total=False)
         if k == 0:
-            tables = [eng.view(q, r, torch.int64, 0, 2 * n).tolist() for q in range(n)]
+            tables = [table.unpack_from(eng.mm, eng.slot_data[q][r & 1]) for q in range(n)]
             problem = _disagreement(eng, tables)
             if problem:
                 raise CollectiveError(problem)

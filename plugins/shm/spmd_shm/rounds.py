@@ -37,6 +37,9 @@ class Rounds:
         self.slot = [
             [data[lay.slot_at(r, p) + 64 : lay.slot_at(r, p) + 64 + lay.slot_bytes] for p in (0, 1)] for r in range(n)
         ]
+        self.mm = segment.mm
+        #: Offset in the segment of each rank's slot data, per parity (for struct packing of small tables).
+        self.slot_data = [[lay.slot_at(r, p) + 64 for p in (0, 1)] for r in range(n)]
         self.round = 0
         self._views: dict[tuple[int, int, torch.dtype, int, int], torch.Tensor] = {}
 

@@ -239,3 +239,15 @@ def test_train_example_pipeline_inside_fsdp_follows_ddp(tmp_path):
     piped = losses(run_train(4, ["--pp", "2", "--microbatches", "2", "--strategy", "fsdp"], tmp_path / "pp.pt"))
     assert len(ddp) == 5 and max(abs(a - b) for a, b in zip(ddp, piped)) < 2e-4, (ddp, piped)
     assert_same_state(tmp_path / "ddp.pt", tmp_path / "pp.pt")
+
+
+def test_a_schedule_whose_data_tags_would_reach_the_metadata_tags_is_refused() -> None:
+    """Data tags are 2 x (stage x microbatches + microbatch) + direction, below META_TAG; past it a data
+    message could be taken for a metadata one (of the same size: silently), so the runtime refuses."""
+    from spmd.pipeline.actions import Action, Kind
+    from spmd.pipeline.transfers import META_TAG, Transfer
+
+    m = META_TAG // 4  # 2 x (stage 2 x m) = META_TAG: the first data tag that would collide
+    assert Transfer(Action(1, m - 1, Kind.RECV_F), m, 4).tag < META_TAG  # stage 0 -> 1: fine
+    with pytest.raises(ValueError, match="data tags must stay below"):
+        Transfer(Action(3, 0, Kind.RECV_F), m, 4)  # stage 2 -> 3

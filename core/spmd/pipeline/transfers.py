@@ -53,6 +53,11 @@ class Transfer:
         lower = min(s, other)
         self.tag = 2 * (lower * m + mb) + int(not forward)
         self.meta_tag = META_TAG + lower * m + mb  # (only forward activations carry metadata)
+        if self.tag >= META_TAG:  # a data tag among the metadata ones: a message could be taken for another
+            raise ValueError(
+                f"pipeline schedule: {a.describe()} needs data tag {self.tag}, but data tags must stay below "
+                f"{META_TAG} (2 x stages x microbatches); use fewer microbatches per step or fewer stages"
+            )
         _check_tag(self.tag, "isend" if a.kind in SENDS else "irecv")
         if forward:
             _check_tag(self.meta_tag, "isend" if a.kind in SENDS else "irecv")

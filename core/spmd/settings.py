@@ -202,3 +202,9 @@ def refresh() -> Settings:
         _current = fresh
     return fresh
 
+
+def job_id() -> str:
+    """This process's job as its launcher names it: ``SPMD_RUN_ID`` (spmd run), torchrun's run id or
+    Slurm's job id; "" where none does. Names what a job leaves on shared resources (a checkpoint's
+    claim, a shared-memory segment) so that operators can tell whose it is."""
+    return current().run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""

@@ -123,17 +123,12 @@ class Holder:
         dead = self.dead()
         if dead is not None:
             return dead
-        job, attempt = _job(), _attempt()
+        job, attempt = settings.job_id(), _attempt()
         if self.job and self.job == job and 0 <= self.attempt < attempt:
             # the launcher restarts a job only once every worker of the earlier attempt has stopped (or died with its node)
             return f"it was saved by attempt {self.attempt} of this job, which was restarted since (this is attempt {attempt})"
         age = time.time() - self.heartbeat
         return f"its last heartbeat was {age:.0f} s ago (more than the {ttl:.0f} s TTL)" if age > ttl else None
-
-
-def _job() -> str:
-    """This process's job, as its launcher names it ("" where none does)."""
-    return settings.current().run_id or os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
 
 
 def _attempt() -> int:
@@ -144,7 +139,7 @@ def _attempt() -> int:
 
 def _new_holder(data_dir: str) -> Holder:
     now = time.time()
-    return Holder(uuid.uuid4().hex, _job(), machine(), os.getpid(), _process_start(os.getpid()), now, now, data_dir,
+    return Holder(uuid.uuid4().hex, settings.job_id(), machine(), os.getpid(), _process_start(os.getpid()), now, now, data_dir,
                   _attempt())
 
 

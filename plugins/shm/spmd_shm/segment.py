@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spmd import settings
 from spmd.comm import hosts
 from spmd.comm.backend import BackendContext
 from spmd.comm.store_wait import missing_keys
@@ -118,6 +119,17 @@ class Segment:
         return ctypes.c_int32.from_buffer(self.mm, offset)
 
 
+def segment_name(job: str, group: str, host: str) -> str:
+    """The segment's file name: the job (where its launcher names one), a random token (a crashed earlier
+    job's file is never taken for this one's), the group and the host, so that whoever finds one knows
+    whose it is."""
+    def part(text: str, size: int) -> str:
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:size]
+
+    job_part = f"{part(job, 32)}-" if job else ""
+    return f"spmd-shm-{job_part}{secrets.token_hex(8)}-{part(group, 40)}-{part(host, 40)}"
+
+
 def check_same_host(ctx: BackendContext) -> None:
     """Exchange host identities through the group's store; raise BackendUnavailableError if the group spans hosts.
 
@@ -151,9 +163,7 @@ def open_segment(ctx: BackendContext, layout: Layout) -> Segment:
     store = ctx.store
     deadline = time.monotonic() + ctx.timeout.total_seconds()
     if ctx.rank == 0:
-        group = re.sub(r"[^A-Za-z0-9_.-]", "_", ctx.group_name)[:40]
-        host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:40]
-        path = os.path.join(shm_dir(), f"spmd-shm-{secrets.token_hex(8)}-{group}-{host}")
+        path = os.path.join(shm_dir(), segment_name(settings.job_id(), ctx.group_name, socket.gethostname()))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:

@@ -64,3 +64,12 @@ def test_stalled_rank_is_a_timeout_naming_it(tmp_path: Path) -> None:
         # + the kernel's diagnosis: it waits up to 2 s for the ranks' flight-recorder dumps
         assert res["elapsed"] < timeout + 3, res
     assert min(results[r]["elapsed"] for r in (0, 1)) > timeout - 0.5, results
+
+
+def test_a_segment_is_named_after_its_job_group_and_host_with_a_fresh_token() -> None:
+    from spmd_shm.segment import segment_name
+
+    first, second = segment_name("run 7/a", "tp:0", "node-1"), segment_name("run 7/a", "tp:0", "node-1")
+    assert first.startswith("spmd-shm-run_7_a-") and first.endswith("-tp_0-node-1"), first
+    assert first != second  # a random token: an earlier job's leftover is never taken for this one's
+    assert segment_name("", "world", "h").startswith("spmd-shm-") and "--" not in segment_name("", "world", "h")

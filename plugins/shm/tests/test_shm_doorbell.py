@@ -105,18 +105,45 @@ def spin_after_late_then_in_step(late_rounds: int, delay: float, in_step_rounds:
     return after_late, engine.spin, right
 
 
-def test_on_a_busy_host_the_spin_shrinks_while_the_peer_is_far_behind_and_grows_back_when_it_is_close(spmd_world) -> None:
-    """More tasks runnable than CPUs: a waiter that keeps sleeping long spins less and less (its core is left to
-    the others); once waits are short again, a sleep that a longer spin would have avoided makes it longer again."""
+def test_on_a_busy_host_the_spin_shrinks_to_its_floor_while_the_peer_is_far_behind(spmd_world) -> None:
+    """More tasks runnable than CPUs: a waiter that keeps sleeping long spins less and less (its core is
+    left to the others), down to the floor; the sums stay right throughout."""
     from spmd_shm.engine import OVERSUBSCRIBED_SPIN_SECONDS
 
     busy = 64  # runnable tasks: more than any test host's CPUs
-    after_late, last, right = spmd_world(2, "shm").run(spin_after_late_then_in_step, 12, 0.01, 3000, busy)[0]
+    after_late, _, right = spmd_world(2, "shm").run(spin_after_late_then_in_step, 12, 0.01, 200, busy)[0]
     assert right
     # (at most 100 us) halved 12 times: the floor, even if a short wait in a barrier between the late
     # calls doubled it once or twice
     assert after_late == OVERSUBSCRIBED_SPIN_SECONDS, after_late
-    assert last > OVERSUBSCRIBED_SPIN_SECONDS, last  # in step: a short sleep made it longer again
+
+
+def test_the_spin_policy(monkeypatch) -> None:
+    """``Engine._adapt_spin`` after a wait that ended asleep: a wait within the bound makes the spin twice
+    its length (at most the bound); a longer one halves it on a busy host (down to the floor) and puts it
+    back at the bound where a core is idle; with equal bounds (more ranks than CPUs) nothing changes and
+    the host is not even asked."""
+    from types import SimpleNamespace
+
+    from spmd_shm import engine as engine_module
+    from spmd_shm.engine import Engine
+
+    runnable = [1]
+    asked = []
+    monkeypatch.setattr(engine_module, "runnable_tasks", lambda: asked.append(1) or runnable[0])
+
+    def adapted(spin: float, waited: float, lo: float = 2e-6, hi: float = 100e-6) -> float:
+        state = SimpleNamespace(spin=spin, _spin_min=lo, _spin_max=hi, _cpus=2)
+        Engine._adapt_spin(state, waited)  # type: ignore[arg-type]
+        return state.spin
+
+    assert adapted(2e-6, 10e-6) == 20e-6 and adapted(50e-6, 10e-6) == 50e-6 and adapted(2e-6, 90e-6) == 100e-6
+    runnable[0] = 64
+    assert adapted(100e-6, 5e-3) == 50e-6 and adapted(3e-6, 5e-3) == 2e-6
+    runnable[0] = 2
+    assert adapted(2e-6, 5e-3) == 100e-6
+    asked.clear()
+    assert adapted(2e-6, 5e-3, lo=2e-6, hi=2e-6) == 2e-6 and not asked
 
 
 def test_with_an_idle_core_a_late_peer_leaves_the_spin_at_its_bound(spmd_world) -> None:

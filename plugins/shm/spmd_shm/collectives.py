@@ -125,9 +125,9 @@ def _splits(eng: Rounds, flat: torch.Tensor, total: int) -> bool:
 
 def is_small(eng: Rounds, flat: torch.Tensor) -> bool:
     """Whether ``small_all_reduce`` may take ``flat``: one whole-path round (what ``all_reduce`` would do)
-    of at most ``SMALL_BYTES``."""
+    of fewer than ``SMALL_BYTES``."""
     total = flat.numel() * flat.element_size()
-    return total <= SMALL_BYTES and total <= eng.lay.slot_bytes and not _splits(eng, flat, total)
+    return total < SMALL_BYTES and total <= eng.lay.slot_bytes and not _splits(eng, flat, total)
 
 
 def _whole_round(eng: Rounds, work: ShmWork, piece: torch.Tensor, op: ReduceOp, total: int) -> Steps:
@@ -172,8 +172,8 @@ def _finish_small(eng: Rounds, work: ShmWork, r: int, flat: torch.Tensor, op: Re
         finish_avg(flat, op, eng.n)
 
 
-#: The largest tensor (bytes) ``small_all_reduce`` takes: below torch's parallel grain (32768 elements
-#: of at least a byte), so its copy and reduction run serially without ``one_torch_thread``.
+#: ``small_all_reduce`` takes tensors of fewer bytes than this: fewer elements than torch's parallel grain
+#: (32768, from which its ops may start intra-op threads), so they run serially without ``one_torch_thread``.
 SMALL_BYTES = 32 << 10
 
 

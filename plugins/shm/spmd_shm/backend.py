@@ -49,7 +49,7 @@ class ShmBackend(Backend):
         if all_to_all.region_bytes(SLOT_BYTES, ctx.size) < 1:
             raise BackendUnavailableError(
                 f"SPMD_SHM_SLOT_BYTES={SLOT_BYTES} is too small for a group of {ctx.size} ranks (all_to_all_single "
-                f"needs at least {all_to_all.table_bytes(ctx.size) + ctx.size} bytes); raise it (default {4 << 20})"
+                f"needs at least {all_to_all.table_bytes(ctx.size) + ctx.size} bytes); raise it (default {1 << 20})"
             )
         layout = Layout(ctx.size, SLOT_BYTES, PACKET_BYTES, PACKETS)
         self.engine = Engine(ctx, open_segment(ctx, layout))

@@ -89,15 +89,16 @@ _BOOL_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], None]] = {
 }
 
 
+#: The in-place methods themselves where there is one (no wrapper frame: a small reduction's hot path).
 _KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = {
-    ReduceOp.SUM: lambda acc, x: acc.add_(x),
-    ReduceOp.AVG: lambda acc, x: acc.add_(x),  # divided once at the end
-    ReduceOp.PRODUCT: lambda acc, x: acc.mul_(x),
+    ReduceOp.SUM: torch.Tensor.add_,
+    ReduceOp.AVG: torch.Tensor.add_,  # divided once at the end
+    ReduceOp.PRODUCT: torch.Tensor.mul_,
     ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
     ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
-    ReduceOp.BAND: lambda acc, x: acc.bitwise_and_(x),
-    ReduceOp.BOR: lambda acc, x: acc.bitwise_or_(x),
-    ReduceOp.BXOR: lambda acc, x: acc.bitwise_xor_(x),
+    ReduceOp.BAND: torch.Tensor.bitwise_and_,
+    ReduceOp.BOR: torch.Tensor.bitwise_or_,
+    ReduceOp.BXOR: torch.Tensor.bitwise_xor_,
 }
 
 

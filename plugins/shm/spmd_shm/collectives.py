@@ -158,15 +158,18 @@ def small_all_reduce(eng: Rounds, flat: torch.Tensor, op: ReduceOp, wait_s: floa
         while any_below(eng.arrive, eng.others, r):
             if time.perf_counter() >= until:
                 return lambda work: _finish_small(eng, work, r, flat, op, total)
-    _reduce_whole(eng, r, flat, op, total)
-    if op is ReduceOp.AVG:
-        finish_avg(flat, op, eng.n)
+    _reduce_small(eng, r, flat, op, total)
     return None
 
 
 def _finish_small(eng: Rounds, work: ShmWork, r: int, flat: torch.Tensor, op: ReduceOp, total: int) -> Steps:
     """The rest of ``small_all_reduce`` when a peer had not yet arrived."""
     yield from eng.await_arrival(work, r, eng.others, "all_reduce")
+    _reduce_small(eng, r, flat, op, total)
+
+
+def _reduce_small(eng: Rounds, r: int, flat: torch.Tensor, op: ReduceOp, total: int) -> None:
+    """The small all_reduce's one round, every peer arrived: reduce (and average)."""
     _reduce_whole(eng, r, flat, op, total)
     if op is ReduceOp.AVG:
         finish_avg(flat, op, eng.n)
@@ -195,18 +198,9 @@ def _reduce_whole(eng: Rounds, r: int, piece: torch.Tensor, op: ReduceOp, total:
     for q in eng.others:  # (the common case inline: _check_sizes names what differs)
         if eng.slot_size[q][parity].value != nbytes or eng.slot_sig[q][parity].value != sig:
             _check_sizes(eng, r, eng.others, nbytes, "all_reduce", total)
-    direct = op is ReduceOp.SUM and dtype in _PLAIN_SUM
     for q in _whole_order(eng, piece, r):
-        if direct:
-            piece.add_(eng.view(q, r, dtype, 0, count))
-        else:
-            reduce_into(piece, eng.view(q, r, dtype, 0, count), op)
+        reduce_into(piece, eng.view(q, r, dtype, 0, count), op)
     eng.finish_round(r)
-
-
-#: dtypes whose SUM ``reduce_into`` computes as a plain ``add_`` (the small path calls it directly).
-_PLAIN_SUM = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16,
-                        torch.int32, torch.int64, torch.uint8, torch.complex64, torch.complex128})
 
 
 def _whole_order(eng: Rounds, piece: torch.Tensor, r: int) -> list[int]:

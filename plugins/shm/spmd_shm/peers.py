@@ -7,6 +7,7 @@ deadline, or a rank it waits for gave up, closed the group, or exited.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Generator
@@ -43,18 +44,19 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-_LOADAVG: list[int | None] = []  # the open /proc/loadavg (None where there is none), opened on first use
+@functools.cache
+def _loadavg() -> int | None:
+    """/proc/loadavg, opened once (None where there is none)."""
+    try:
+        return os.open("/proc/loadavg", os.O_RDONLY)
+    except OSError:
+        return None
 
 
 def runnable_tasks() -> int | None:
     """Tasks runnable on the host right now, this one included (/proc/loadavg's fourth field); None where
     the OS does not say. About 2 us: read only after a wait that already ended asleep."""
-    if not _LOADAVG:
-        try:
-            _LOADAVG.append(os.open("/proc/loadavg", os.O_RDONLY))
-        except OSError:
-            _LOADAVG.append(None)
-    fd = _LOADAVG[0]
+    fd = _loadavg()
     if fd is None:
         return None
     try:
